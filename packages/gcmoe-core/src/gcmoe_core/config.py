@@ -1,0 +1,226 @@
+"""MoE layer configuration, the design's limits, and call-argument validation (pure Python + cheap tensor checks).
+
+Every limit the GC-MoE design states is checked here, once, before anything launches:
+
+    I <= 4096      the W1-completion bitmap that lets W2 start on a block is 64 bits of 64-wide I tiles
+    I % 128 == 0   K128 tiles of W2 (and FP8 1x128 scale blocks of the intermediate)
+    H % 256 == 0   W1 K128 tiles and the W2 output tiling
+    k + shared <= 32, E <= 2048, P <= 72, E % P == 0
+
+Call arguments (x, topk_ids, topk_weights) are checked for type, dtype, shape, device and contiguity on every call
+(host-side metadata only, graph-capture safe). Value checks (ids in range, finite routing weights) need a device
+read; they run when `check_values` is true, which the operator sets unless a CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+MAX_INTERMEDIATE = 4096
+INTERMEDIATE_MULTIPLE = 128
+HIDDEN_MULTIPLE = 256
+MAX_SLOTS = 32  # top_k + shared experts
+MAX_EXPERTS = 2048
+MAX_EP = 72
+MAX_TOKENS_PER_RANK = 4096  # workspace sizing bound; decode is <= 512 in practice
+
+QuantMode = Literal["fp8_mxfp4", "bf16"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    num_shared_experts: int
+
+
+# The shapes the design benchmarks: (H, I, E, top-k, shared).
+MODEL_SHAPES: dict[str, ModelShape] = {
+    s.name: s
+    for s in (
+        ModelShape("deepseek-v4-flash", 4096, 2048, 256, 6, 1),
+        ModelShape("deepseek-v4-pro", 7168, 3072, 384, 6, 1),
+        ModelShape("deepseek-v3", 7168, 2048, 256, 8, 1),
+        ModelShape("glm-5", 6144, 2048, 256, 8, 1),
+        ModelShape("glm-4.5", 5120, 1536, 160, 8, 1),
+    )
+}
+
+
+def _fail(arg: str, msg: str) -> None:
+    raise ValueError(f"gcmoe: {arg}: {msg}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer as one rank sees it.
+
+    num_experts is the global routed-expert count E; each of the ep_size ranks holds E / ep_size of them.
+    quant: "fp8_mxfp4" (FP8 E4M3 activations x MXFP4 weights, the product path) or "bf16" (unquantised).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    num_shared_experts: int = 0
+    ep_size: int = 1
+    max_tokens_per_rank: int = 256
+    quant: QuantMode = "fp8_mxfp4"
+
+    def __post_init__(self) -> None:
+        for f in ("hidden_size", "intermediate_size", "num_experts", "top_k", "ep_size", "max_tokens_per_rank"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                _fail(f, f"must be a positive int, got {v!r}")
+        s = self.num_shared_experts
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            _fail("num_shared_experts", f"must be an int >= 0, got {s!r}")
+        h, i, e, k, p = self.hidden_size, self.intermediate_size, self.num_experts, self.top_k, self.ep_size
+        if i > MAX_INTERMEDIATE:
+            _fail(
+                "intermediate_size", f"I = {i} exceeds the limit I <= {MAX_INTERMEDIATE} (64-bit W1 completion bitmap)"
+            )
+        if i % INTERMEDIATE_MULTIPLE:
+            _fail("intermediate_size", f"I = {i} must be a multiple of {INTERMEDIATE_MULTIPLE} (K128 tiles)")
+        if h % HIDDEN_MULTIPLE:
+            _fail("hidden_size", f"H = {h} must be a multiple of {HIDDEN_MULTIPLE}")
+        if k + s > MAX_SLOTS:
+            _fail("top_k", f"top_k + num_shared_experts = {k} + {s} exceeds the limit {MAX_SLOTS}")
+        if e > MAX_EXPERTS:
+            _fail("num_experts", f"E = {e} exceeds the limit E <= {MAX_EXPERTS}")
+        if k > e:
+            _fail("top_k", f"top_k = {k} exceeds the number of experts E = {e}")
+        if p > MAX_EP:
+            _fail("ep_size", f"P = {p} exceeds the limit P <= {MAX_EP}")
+        if e % p:
+            _fail("ep_size", f"E = {e} must be divisible by P = {p} (experts are sharded E/P per rank)")
+        if self.max_tokens_per_rank > MAX_TOKENS_PER_RANK:
+            _fail("max_tokens_per_rank", f"{self.max_tokens_per_rank} exceeds the limit {MAX_TOKENS_PER_RANK}")
+        if self.quant not in ("fp8_mxfp4", "bf16"):
+            _fail("quant", f"must be 'fp8_mxfp4' or 'bf16', got {self.quant!r}")
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.ep_size
+
+    @property
+    def slots(self) -> int:
+        """Expert applications per token: routed top-k plus shared experts."""
+        return self.top_k + self.num_shared_experts
+
+    def replace(self, **changes) -> MoEConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_model(cls, name: str, ep_size: int = 1, **overrides) -> MoEConfig:
+        """A named model's layer under EP = ep_size (see MODEL_SHAPES)."""
+        try:
+            s = MODEL_SHAPES[name]
+        except KeyError:
+            raise ValueError(f"gcmoe: model: unknown model {name!r}; known: {', '.join(MODEL_SHAPES)}") from None
+        return cls(
+            s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, s.num_shared_experts, ep_size, **overrides
+        )
+
+    @classmethod
+    def ep_slice(cls, name: str, ep: int, **overrides) -> MoEConfig:
+        """The routed experts one rank holds under EP = ep, as a world-size-1 layer (E/ep experts, every token routed
+        among them): the per-rank compute of the GEMM benchmarks."""
+        full = cls.from_model(name, ep_size=ep)
+        return cls(
+            full.hidden_size,
+            full.intermediate_size,
+            full.local_experts,
+            full.top_k,
+            full.num_shared_experts,
+            1,
+            **overrides,
+        )
+
+
+def _check_tensor(arg: str, t, dtypes: tuple[torch.dtype, ...], shape: tuple[int | None, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(arg, f"must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        _fail(arg, f"dtype must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if t.dim() != len(shape):
+        _fail(arg, f"must be {len(shape)}-D, got shape {tuple(t.shape)}")
+    for axis, (have, want) in enumerate(zip(t.shape, shape)):
+        if want is not None and have != want:
+            _fail(arg, f"shape {tuple(t.shape)}: dim {axis} must be {want}")
+    if not t.is_contiguous():
+        _fail(arg, f"must be contiguous (strides {t.stride()})")
+
+
+def validate_call(
+    cfg: MoEConfig,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    device: torch.device | None = None,
+    check_values: bool = True,
+) -> None:
+    """Raise ValueError naming the argument and the limit for any bad call argument; nothing launches before."""
+    _check_tensor("x", x, (torch.bfloat16,), (None, cfg.hidden_size))
+    t = x.shape[0]
+    if t == 0:
+        _fail("x", "T = 0 tokens: call the layer only with at least one token")
+    if t > cfg.max_tokens_per_rank:
+        _fail("x", f"T = {t} tokens exceeds max_tokens_per_rank = {cfg.max_tokens_per_rank}")
+    _check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), (t, cfg.top_k))
+    _check_tensor("topk_weights", topk_weights, (torch.float32,), (t, cfg.top_k))
+    if device is not None and x.device != device:
+        _fail("x", f"is on {x.device} but the layer's weights are on {device}")
+    for arg, ten in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if ten.device != x.device:
+            _fail(arg, f"is on {ten.device} but x is on {x.device}")
+    if check_values:
+        check_call_values(cfg.num_experts, topk_ids, topk_weights)
+
+
+def check_call_values(num_experts: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """The checks that read device memory (a host sync): ids in [0, E), finite routing weights."""
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0:
+        _fail("topk_ids", f"holds a negative expert id ({lo}); ids must be in [0, {num_experts})")
+    if hi >= num_experts:
+        _fail("topk_ids", f"holds expert id {hi}, out of range [0, {num_experts})")
+    if not bool(torch.isfinite(topk_weights).all()):
+        _fail("topk_weights", "holds a non-finite routing weight (NaN or Inf)")
+
+
+def validate_weights(
+    cfg: MoEConfig,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+) -> None:
+    """Unquantised weights as loaded: w13 [E_local, 2I, H] (gate rows, then up rows), w2 [E_local, H, I]."""
+    h, i, el, s = cfg.hidden_size, cfg.intermediate_size, cfg.local_experts, cfg.num_shared_experts
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+    _check_tensor("w13", w13, floats, (el, 2 * i, h))
+    _check_tensor("w2", w2, floats, (el, h, i))
+    if (shared_w13 is None) != (shared_w2 is None):
+        _fail("shared_w13", "shared_w13 and shared_w2 must be given together")
+    if s and shared_w13 is None:
+        _fail("shared_w13", f"config has num_shared_experts = {s} but no shared expert weights were given")
+    if shared_w13 is not None:
+        if not s:
+            _fail("shared_w13", "shared expert weights given but config.num_shared_experts = 0")
+        _check_tensor("shared_w13", shared_w13, floats, (s, 2 * i, h))
+        _check_tensor("shared_w2", shared_w2, floats, (s, h, i))
+    for name, w in (("w13", w13), ("w2", w2), ("shared_w13", shared_w13), ("shared_w2", shared_w2)):
+        if w is not None and w.device != w13.device:
+            _fail(name, f"is on {w.device} but w13 is on {w13.device}")
+        if w is not None and not bool(torch.isfinite(w).all()):
+            _fail(name, "holds non-finite values (NaN or Inf); MXFP4 cannot encode them")

@@ -1,0 +1,53 @@
+"""The GCMOE_* environment variables — one table, read in one place (README's table is checked against it)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    meaning: str
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("GCMOE_BACKEND", "auto", "force a backend: auto, reference, sm90, sm103"),
+    EnvVar("GCMOE_CACHE_DIR", "~/.cache/gcmoe", "on-disk cache of compiled kernels (keyed on source, config, arch)"),
+    EnvVar("GCMOE_ARCH", "(from the device)", "compile target when no GPU is present: sm_90a, sm_100a or sm_103a"),
+    EnvVar(
+        "GCMOE_CHECK_VALUES", "1", "0: skip the device-read value checks (ids range, finite weights) in eager calls"
+    ),
+)
+_BY_NAME = {v.name: v for v in ENV_VARS}
+
+
+def get(name: str) -> str:
+    """The variable's value, or its default; unknown names are a programming error."""
+    v = _BY_NAME[name]
+    return os.environ.get(name, v.default)
+
+
+def get_int(name: str) -> int:
+    raw = get(name)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def get_bool(name: str) -> bool:
+    return get(name).strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def cache_dir() -> Path:
+    return Path(os.path.expanduser(get("GCMOE_CACHE_DIR")))
+
+
+def markdown_table() -> str:
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{v.name}` | `{v.default}` | {v.meaning} |" for v in ENV_VARS]
+    return "\n".join(rows)

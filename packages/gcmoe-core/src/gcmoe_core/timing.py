@@ -1,0 +1,107 @@
+"""GPU timing the benchmarks share: CUDA-graph replay, cold L2, medians; the copy-bandwidth ceiling and the
+FP4 weight-streaming floor of a decode MoE layer.
+
+    floor(T) = active_experts * 3 * H * I * (0.5 + 1/32) B / copy_bandwidth      (weights + UE8M0 scales)
+
+Cold L2: before every timed replay a buffer of 4x the L2 size is overwritten (not timed), so weights come from HBM.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def _l2_bytes(device: torch.device) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20))
+
+
+class ColdL2:
+    def __init__(self, device: torch.device):
+        self.buf = torch.empty(4 * _l2_bytes(device) // 4, dtype=torch.int32, device=device)
+
+    def __call__(self) -> None:
+        self.buf.add_(1)
+
+
+def time_gpu(
+    fn: Callable[[], object],
+    iters: int = 50,
+    warmup: int = 3,
+    graph: bool = True,
+    cold_l2: bool = True,
+    device: torch.device | None = None,
+) -> dict:
+    """Median/min/p90 microseconds of fn on the current stream. graph=True captures fn once and times replays."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream(device=device)
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+        run()
+    flush = ColdL2(device) if cold_l2 else (lambda: None)
+    times = []
+    for _ in range(iters):
+        flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return {
+        "median_us": statistics.median(times),
+        "min_us": times[0],
+        "p90_us": times[int(0.9 * (len(times) - 1))],
+        "iters": iters,
+        "graph": graph,
+        "cold_l2": cold_l2,
+    }
+
+
+def time_cpu(fn: Callable[[], object], iters: int = 5) -> dict:
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return {
+        "median_us": statistics.median(times),
+        "min_us": min(times),
+        "iters": iters,
+        "graph": False,
+        "cold_l2": False,
+    }
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (graph-replayed)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    t = time_gpu(lambda: dst.copy_(src), iters=iters, cold_l2=False, device=device)
+    return 2 * src.numel() / (t["median_us"] * 1e-6)
+
+
+def fp4_layer_bytes(hidden: int, inter: int, active_experts: int) -> int:
+    """Weight + scale bytes a decode layer must stream: W13 and W2 of each active expert, MXFP4."""
+    elems = active_experts * 3 * hidden * inter
+    return elems // 2 + elems // 32
+
+
+def fp4_floor_us(hidden: int, inter: int, active_experts: int, bandwidth: float) -> float:
+    return fp4_layer_bytes(hidden, inter, active_experts) / bandwidth * 1e6

@@ -1,0 +1,30 @@
+"""gcmoe: MoE decode operator — green-context partitioned token dispatch + FP8 x MXFP4 grouped GEMM.
+
+import gcmoe
+layer = gcmoe.MoELayer(gcmoe.MoEConfig.from_model("deepseek-v4-flash"), device="cuda")
+layer.load_weights(w13, w2, shared_w13, shared_w2)
+y = layer(x, topk_ids, topk_weights)
+"""
+
+from gcmoe_core.config import MODEL_SHAPES, MoEConfig
+from gcmoe_core.formats import MXFP4Tensor, quantize_mxfp4
+from gcmoe_core.reference import MoEWeights
+
+from .backends import BackendUnavailable, choose
+from .layer import MoELayer, PackedMoE, moe, prepack
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MODEL_SHAPES",
+    "BackendUnavailable",
+    "MXFP4Tensor",
+    "MoEConfig",
+    "MoELayer",
+    "MoEWeights",
+    "PackedMoE",
+    "choose",
+    "moe",
+    "prepack",
+    "quantize_mxfp4",
+]

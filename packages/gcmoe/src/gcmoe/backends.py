@@ -1,0 +1,101 @@
+"""Backends of the operator and how one is chosen.
+
+    reference  plain torch (gcmoe-core), any device; the ground truth and the CPU path
+    sm90       Hopper (sm_90a): FP8 x MXFP4 grouped GEMMs from gcmoe-gemm-sm90 (CuTe DSL)
+    sm103      Blackwell (sm_103a): tcgen05 block-scaled GEMMs from gcmoe-gemm-sm103 (CuTe DSL)
+
+`choose(device, requested)`: an explicit request (argument, else GCMOE_BACKEND) must be runnable on the device or it
+raises BackendUnavailable naming what is missing; "auto" takes the first runnable of sm103, sm90, reference.
+
+A backend turns MoEWeights into a flat list of device tensors once (`prepack`), and runs a call on that list
+(`forward`): the list is what the torch.library op receives, so the op works under torch.compile and in capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gcmoe_core import env
+from gcmoe_core.formats import MXFP4Tensor
+from gcmoe_core.reference import MoEWeights, moe_reference
+
+NAMES = ("reference", "sm90", "sm103")
+AUTO_ORDER = ("sm103", "sm90", "reference")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run here; the message names what is missing."""
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    name: str
+    missing: str | None  # None: runnable
+
+    @property
+    def runnable(self) -> bool:
+        return self.missing is None
+
+
+def _kernel_backend_missing(name: str, device: torch.device, capability: tuple[int, int], module: str) -> str | None:
+    if device.type != "cuda":
+        return f"a CUDA device of compute capability {capability[0]}.{capability[1]} (got {device})"
+    if not torch.cuda.is_available():
+        return "a CUDA device (torch.cuda.is_available() is False)"
+    have = torch.cuda.get_device_capability(device)
+    if have != capability:
+        return f"compute capability {capability[0]}.{capability[1]} (device {device} is {have[0]}.{have[1]})"
+    try:
+        mod = __import__(module)
+    except ImportError as e:
+        return f"the {module} package ({e})"
+    return mod.kernels_missing()
+
+
+def status(name: str, device: torch.device) -> BackendStatus:
+    if name == "reference":
+        return BackendStatus(name, None)
+    if name == "sm90":
+        return BackendStatus(name, _kernel_backend_missing(name, device, (9, 0), "gcmoe_gemm_sm90"))
+    if name == "sm103":
+        return BackendStatus(name, _kernel_backend_missing(name, device, (10, 3), "gcmoe_gemm_sm103"))
+    raise ValueError(f"gcmoe: backend: unknown backend {name!r}; known: {', '.join(NAMES)} or 'auto'")
+
+
+def choose(device: torch.device, requested: str | None = None) -> str:
+    req = requested or env.get("GCMOE_BACKEND")
+    if req == "auto":
+        return next(n for n in AUTO_ORDER if status(n, device).runnable)
+    st = status(req, device)
+    if not st.runnable:
+        raise BackendUnavailable(f"gcmoe: backend {req!r} cannot run on {device}: it needs {st.missing}")
+    return req
+
+
+# ------------------------------------------------------------------------------------------------ implementations
+def _flatten(weights: MoEWeights) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for w in weights.all():
+        if w is not None:
+            out += [w.packed, w.scale] if isinstance(w, MXFP4Tensor) else [w]
+    return out
+
+
+class ReferenceBackend:
+    """Prepack = the weights dequantised once into bf16 (exact for MXFP4); forward = gcmoe_core's moe_reference
+    with the layer's quantisation mode (FP8 activations and intermediate for fp8_mxfp4)."""
+
+    name = "reference"
+
+    @staticmethod
+    def prepack(weights: MoEWeights) -> list[torch.Tensor]:
+        return _flatten(weights.exact_bf16() if weights.quant == "fp8_mxfp4" else weights)
+
+    @staticmethod
+    def forward(x, topk_ids, topk_weights, tensors: list[torch.Tensor], quant: str) -> torch.Tensor:
+        return moe_reference(x, topk_ids, topk_weights, MoEWeights(*tensors), quant=quant)
+
+
+IMPLS = {"reference": ReferenceBackend}

@@ -1,0 +1,143 @@
+"""Public API: a layer object and a functional form over the same prepacked weights.
+
+    cfg = gcmoe.MoEConfig.from_model("deepseek-v4-flash")            # or MoEConfig(H, I, E, top_k, ...)
+    layer = gcmoe.MoELayer(cfg, device="cuda")                       # backend chosen from the device (or backend=)
+    layer.load_weights(w13, w2, shared_w13, shared_w2)               # BF16 -> MXFP4 -> prepacked for the backend
+    layer.load_mxfp4(w13_mxfp4, w2_mxfp4)                            # or standard MXFP4 expert tensors as they are
+    y = layer(x, topk_ids, topk_weights)                             # [T, H] bf16
+
+    packed = gcmoe.prepack(cfg, weights, device="cuda")              # functional: MoEWeights -> PackedMoE
+    y = gcmoe.moe(x, topk_ids, topk_weights, packed)
+
+Every call validates its arguments (ValueError naming the argument and the limit) before anything launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gcmoe_core import env
+from gcmoe_core.config import MoEConfig, validate_call, validate_weights
+from gcmoe_core.formats import MXFP4Tensor
+from gcmoe_core.reference import MoEWeights
+
+from . import ops  # noqa: F401  (registers torch.ops.gcmoe)
+from .backends import IMPLS, choose
+
+
+@dataclass(frozen=True)
+class PackedMoE:
+    """Weights prepacked for one backend on one device."""
+
+    cfg: MoEConfig
+    backend: str
+    device: torch.device
+    tensors: tuple[torch.Tensor, ...]
+
+
+def _check_ep(cfg: MoEConfig) -> None:
+    if cfg.ep_size > 1:
+        raise ValueError(
+            f"gcmoe: ep_size: P = {cfg.ep_size} > 1 needs the gcmoe-comm dispatch workspace, which this release does "
+            "not ship yet; use MoEConfig.ep_slice(model, ep) for one rank's local experts, or "
+            "gcmoe_core.multirank.multirank_reference to simulate P ranks"
+        )
+
+
+def _check_weights_match(cfg: MoEConfig, weights: MoEWeights) -> None:
+    h, i, el, s = cfg.hidden_size, cfg.intermediate_size, cfg.local_experts, cfg.num_shared_experts
+    if weights.quant != cfg.quant:
+        raise ValueError(f"gcmoe: weights: weights are {weights.quant} but the config says quant={cfg.quant!r}")
+    if tuple(weights.w13.shape) != (el, 2 * i, h):
+        raise ValueError(f"gcmoe: w13: shape {tuple(weights.w13.shape)} != ({el}, {2 * i}, {h})")
+    if tuple(weights.w2.shape) != (el, h, i):
+        raise ValueError(f"gcmoe: w2: shape {tuple(weights.w2.shape)} != ({el}, {h}, {i})")
+    if weights.num_shared != s:
+        raise ValueError(f"gcmoe: shared_w13: {weights.num_shared} shared expert(s) given, config has {s}")
+    if s and (tuple(weights.shared_w13.shape) != (s, 2 * i, h) or tuple(weights.shared_w2.shape) != (s, h, i)):
+        raise ValueError(
+            f"gcmoe: shared_w13: shapes {tuple(weights.shared_w13.shape)}, "
+            f"{tuple(weights.shared_w2.shape)} != ({s}, {2 * i}, {h}), ({s}, {h}, {i})"
+        )
+
+
+def prepack(cfg: MoEConfig, weights: MoEWeights, device=None, backend: str | None = None) -> PackedMoE:
+    """Place and convert weights once for the chosen backend (the caller reuses the result across calls)."""
+    _check_ep(cfg)
+    _check_weights_match(cfg, weights)
+    device = torch.device(device) if device is not None else weights.device
+    name = choose(device, backend)
+    tensors = IMPLS[name].prepack(weights.to(device))
+    return PackedMoE(cfg, name, device, tuple(tensors))
+
+
+def moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    packed: PackedMoE,
+    check_values: bool | None = None,
+) -> torch.Tensor:
+    """y [T, H] bf16. check_values=None follows GCMOE_CHECK_VALUES (default on; skipped inside graph capture)."""
+    validate_call(packed.cfg, x, topk_ids, topk_weights, device=packed.device, check_values=False)
+    if check_values is None:
+        check_values = env.get_bool("GCMOE_CHECK_VALUES")
+    return torch.ops.gcmoe.moe_forward(
+        x,
+        topk_ids,
+        topk_weights,
+        list(packed.tensors),
+        packed.backend,
+        packed.cfg.quant,
+        packed.cfg.num_experts,
+        check_values,
+    )
+
+
+class MoELayer(torch.nn.Module):
+    """The routed (+ shared) experts of one MoE layer on one rank."""
+
+    def __init__(self, cfg: MoEConfig, device=None, backend: str | None = None):
+        super().__init__()
+        _check_ep(cfg)
+        self.cfg = cfg
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.backend = choose(self.device, backend)
+        self.packed: PackedMoE | None = None
+
+    def load_weights(self, w13, w2, shared_w13=None, shared_w2=None) -> MoELayer:
+        """Unquantised weights w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I] (+ shared [S, ...]):
+        quantised to the config's format on the layer's device, then prepacked."""
+        validate_weights(self.cfg, w13, w2, shared_w13, shared_w2)
+        dev = [None if w is None else w.to(self.device) for w in (w13, w2, shared_w13, shared_w2)]
+        return self.load(MoEWeights.from_float(*dev, quant=self.cfg.quant))
+
+    def load_mxfp4(
+        self,
+        w13: MXFP4Tensor,
+        w2: MXFP4Tensor,
+        shared_w13: MXFP4Tensor | None = None,
+        shared_w2: MXFP4Tensor | None = None,
+    ) -> MoELayer:
+        """Standard MXFP4 expert tensors (E2M1 low nibble first + UE8M0 per 32 along K), used as they are."""
+        if self.cfg.quant != "fp8_mxfp4":
+            raise ValueError(f"gcmoe: weights: MXFP4 weights need quant='fp8_mxfp4', config has {self.cfg.quant!r}")
+        return self.load(MoEWeights(w13, w2, shared_w13, shared_w2))
+
+    def load(self, weights: MoEWeights) -> MoELayer:
+        self.packed = prepack(self.cfg, weights, self.device, self.backend)
+        return self
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            raise RuntimeError("gcmoe: MoELayer: no weights loaded (call load_weights, load_mxfp4 or load first)")
+        return moe(x, topk_ids, topk_weights, self.packed)
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (
+            f"H={c.hidden_size}, I={c.intermediate_size}, E={c.num_experts}, top_k={c.top_k}, "
+            f"shared={c.num_shared_experts}, quant={c.quant}, backend={self.backend}, device={self.device}"
+        )

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU runner: on the device machine (the image's python3 with CUDA torch), make our packages and the shipped
+# CuTe DSL importable, then run the requested steps and leave results under $OUT.
+#
+#   one-time per session, here:  bash ../shared/device/pack-cutlass-dsl.sh .gpu-wheels
+#   device call 1 (carry .gpu-wheels/a):  bash .gpu-wheels/a/stash.sh
+#   device call 2 (carry .gpu-wheels/b):  source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh info tests greenctx bench
+#   later calls on the warm machine:      source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh <steps>
+#
+# steps: info | tests | greenctx | bench | all (default: all). Each step's log and results land in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/gcmoe-gpu-out}
+mkdir -p "$OUT"
+for p in packages/*/src; do PYTHONPATH="$PWD/$p${PYTHONPATH:+:$PYTHONPATH}"; done
+export PYTHONPATH PYTHONUNBUFFERED=1 GCMOE_CACHE_DIR=${GCMOE_CACHE_DIR:-/tmp/gcmoe-cache}
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
+rc=0
+run_step() {
+  case "$1" in
+    info)     python3 -m gcmoe.cli info --json > "$OUT/info.json" && python3 -m gcmoe.cli info | tee "$OUT/info.txt" ;;
+    tests)    python3 -m pytest packages tests-integration -m "gpu or sm90 or sm103 or multigpu or compile" -rs -q \
+                --junitxml="$OUT/junit.xml" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"; return "${PIPESTATUS[0]}" ;;
+    greenctx) python3 -m gcmoe_greenctx.bench --out "$OUT" 2>&1 | tee "$OUT/greenctx.log"; return "${PIPESTATUS[0]}" ;;
+    bench)    python3 -m gcmoe.cli bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log"
+              return "${PIPESTATUS[0]}" ;;
+    all)      for s in info tests greenctx bench; do run_step "$s" || rc=1; done ;;
+    *)        echo "unknown step $1" >&2; return 2 ;;
+  esac
+}
+for s in "${steps[@]}"; do echo "=== $s ==="; run_step "$s" || rc=1; done
+exit $rc
