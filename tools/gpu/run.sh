@@ -22,7 +22,7 @@ run_step() {
     tests)    python3 -m pytest packages tests-integration -m "gpu or sm90 or sm103 or multigpu or compile" -rs -q \
                 --junitxml="$OUT/junit.xml" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"; return "${PIPESTATUS[0]}" ;;
     greenctx) python3 -m gcmoe_greenctx.bench --out "$OUT" 2>&1 | tee "$OUT/greenctx.log"; return "${PIPESTATUS[0]}" ;;
-    bench)    python3 -m gcmoe.cli bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log"
+    bench)    python3 -m gcmoe.cli bench --tokens 1 8 32 --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log"
               return "${PIPESTATUS[0]}" ;;
     all)      for s in info tests greenctx bench; do run_step "$s" || rc=1; done ;;
     *)        echo "unknown step $1" >&2; return 2 ;;

@@ -139,3 +139,14 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 def sass_opcodes(sass: str) -> set[str]:
     """Opcode mnemonics (with their modifiers) that appear in a SASS listing."""
     return set(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, flags=re.M))
+
+
+def as_cute(t, dynamic_mode: int = 0, assumed_align: int | None = None):
+    """A torch tensor as the CuTe tensor a kernel compiled against `make_fake_compact_tensor` with a dynamic
+    `dynamic_mode` expects (compact layout, that mode's extent passed at run time)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    cutlass_modules()
+    return from_dlpack(t, assumed_align=assumed_align).mark_compact_shape_dynamic(
+        mode=dynamic_mode, stride_order=t.dim_order()
+    )

@@ -12,7 +12,7 @@ from functools import cache
 
 import torch
 
-from gcmoe_core.cutedsl import compile_kernel, cutlass_modules, target_arch
+from gcmoe_core.cutedsl import as_cute, compile_kernel, cutlass_modules, target_arch
 
 from .decode_ptx import DECODE8_PTX, LUT_HI, LUT_LO
 
@@ -20,7 +20,7 @@ cutlass, cute = cutlass_modules()  # places the DSL cache under GCMOE_CACHE_DIR 
 import cuda.bindings.driver as cuda  # noqa: E402
 from cutlass import runtime as crt  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
-from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor  # noqa: E402
+from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
 WORDS_PER_THREAD = 4
@@ -94,8 +94,8 @@ def decode_mxfp4_to_e4m3(packed: torch.Tensor) -> torch.Tensor:
     dst = out.view(torch.int32).view(-1, 2 * WORDS_PER_THREAD)
     kern = compiled(target_arch(packed.device.index))
     kern(
-        from_dlpack(src, assumed_align=16),
-        from_dlpack(dst, assumed_align=16),
+        as_cute(src, assumed_align=16),
+        as_cute(dst, assumed_align=16),
         cuda.CUstream(torch.cuda.current_stream().cuda_stream),
     )
     return out

@@ -9,12 +9,12 @@ from functools import cache
 
 import torch
 
-from gcmoe_core.cutedsl import compile_kernel, cutlass_modules, target_arch
+from gcmoe_core.cutedsl import as_cute, compile_kernel, cutlass_modules, target_arch
 
 cutlass, cute = cutlass_modules()  # places the DSL cache under GCMOE_CACHE_DIR before the first import
 import cuda.bindings.driver as cuda  # noqa: E402
 from cutlass import runtime as crt  # noqa: E402
-from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor  # noqa: E402
+from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
 
 
 @cute.kernel
@@ -45,4 +45,4 @@ def record_smids(out: torch.Tensor, spin_ns: int, stream: torch.cuda.Stream | No
         raise ValueError("record_smids: out must be a 1-D int32 CUDA tensor")
     stream = stream or torch.cuda.current_stream()
     kern = compiled(target_arch(out.device.index))
-    kern(from_dlpack(out), cutlass.Int64(spin_ns), cuda.CUstream(stream.cuda_stream))
+    kern(as_cute(out), cutlass.Int64(spin_ns), cuda.CUstream(stream.cuda_stream))

@@ -37,6 +37,14 @@ class PackedMoE:
     tensors: tuple[torch.Tensor, ...]
 
 
+def _device(device) -> torch.device:
+    """A concrete device ('cuda' -> 'cuda:<current>') so argument checks compare like with like."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def _check_ep(cfg: MoEConfig) -> None:
     if cfg.ep_size > 1:
         raise ValueError(
@@ -67,7 +75,7 @@ def prepack(cfg: MoEConfig, weights: MoEWeights, device=None, backend: str | Non
     """Place and convert weights once for the chosen backend (the caller reuses the result across calls)."""
     _check_ep(cfg)
     _check_weights_match(cfg, weights)
-    device = torch.device(device) if device is not None else weights.device
+    device = _device(device if device is not None else weights.device)
     name = choose(device, backend)
     tensors = IMPLS[name].prepack(weights.to(device))
     return PackedMoE(cfg, name, device, tuple(tensors))
@@ -103,7 +111,7 @@ class MoELayer(torch.nn.Module):
         super().__init__()
         _check_ep(cfg)
         self.cfg = cfg
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = _device(device if device is not None else "cpu")
         self.backend = choose(self.device, backend)
         self.packed: PackedMoE | None = None
 

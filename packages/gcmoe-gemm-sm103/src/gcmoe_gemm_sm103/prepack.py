@@ -1,0 +1,132 @@
+"""K128 prepacker for the sm_103a grouped GEMMs: MXFP4 (or MXFP8) expert weights -> TMA-friendly K128 tiles and the
+scale factors in the layout tcgen05 block-scaled MMA reads (plain torch, any device; exact inverse provided).
+
+Weights (operand swap: weight rows are the MMA's M side, BM = 128 rows per CTA tile):
+
+    logical  w [E, N, K]            MXFP4: packed [E, N, K/2] bytes (low nibble first) + UE8M0 [E, N, K/32]
+    data     [E, N/128, K/128, 128, B]      B = 64 bytes (FP4) or 128 bytes (FP8) per row per K128 tile
+             one (128-row x K128) tile = 8 KiB (FP4) contiguous: a single TMA box of one long burst
+
+             e ─┬─ n_tile 0 ─┬─ k_tile 0: rows 0..127 x 64 B  ──►  8 KiB contiguous
+                │            ├─ k_tile 1: rows 0..127 x 64 B
+                │            └─ ...
+                └─ n_tile 1 ─ ...
+
+Scale factors (one UE8M0 per 32 K per row; 4 per row per K128 tile), in 512-byte atoms per (128 rows x K128):
+
+    sf       [E, N/128, K/128, 512]
+             byte (r, j) of the atom, r = row in the tile (0..127), j = 32-group in the K128 tile (0..3):
+                 offset = (r % 32) * 16 + (r // 32) * 4 + j
+             i.e. the "128x4" block-scale layout: 32 lanes x (4 row-quarters x 4 groups) — each 16-byte line holds
+             rows r, r+32, r+64, r+96 for all four 32-groups.
+
+W13 rows are first interleaved gate/up in groups of 64 (gcmoe_core.layouts) so each 128-row tile holds the gate and
+up rows of the same 64 intermediate columns (the fused SwiGLU epilogue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gcmoe_core.formats import MXFP4Tensor, check_mxfp4
+from gcmoe_core.layouts import gate_up_permutation, inverse_permutation
+
+BM = 128
+K_TILE = 128
+SF_GROUP = 32
+SF_ATOM = 512
+GATE_UP_GROUP = BM // 2
+
+
+@dataclass(frozen=True)
+class PackedK128:
+    """Prepacked weights of E experts: data [E, N/128, K/128, 128, B] uint8, sf [E, N/128, K/128, 512] uint8."""
+
+    data: torch.Tensor
+    sf: torch.Tensor
+    n: int
+    k: int
+    fmt: str  # "mxfp4" or "mxfp8"
+    gate_up: bool  # rows interleaved gate/up (W13)
+
+
+def sf_atom_offsets(device=None) -> torch.Tensor:
+    """[128, 4] int64: the byte offset of (row, 32-group) inside a 512-byte scale atom."""
+    r = torch.arange(BM, device=device).view(-1, 1)
+    j = torch.arange(4, device=device).view(1, -1)
+    return (r % 32) * 16 + (r // 32) * 4 + j
+
+
+def _check_nk(n: int, k: int, what: str) -> None:
+    if n % BM:
+        raise ValueError(f"{what}: N = {n} rows must be a multiple of {BM}")
+    if k % K_TILE:
+        raise ValueError(f"{what}: K = {k} must be a multiple of {K_TILE}")
+
+
+def _tile_rows(t: torch.Tensor, bytes_per_tile_row: int) -> torch.Tensor:
+    """[E, N, K_bytes] -> [E, N/128, K_bytes/B, 128, B]."""
+    e, n, kb = t.shape
+    return t.view(e, n // BM, BM, kb // bytes_per_tile_row, bytes_per_tile_row).permute(0, 1, 3, 2, 4).contiguous()
+
+
+def _untile_rows(t: torch.Tensor) -> torch.Tensor:
+    e, nt, kt, bm, b = t.shape
+    return t.permute(0, 1, 3, 2, 4).reshape(e, nt * bm, kt * b)
+
+
+def _pack_sf(scale: torch.Tensor) -> torch.Tensor:
+    """[E, N, K/32] -> [E, N/128, K/128, 512]."""
+    e, n, g = scale.shape
+    tiles = scale.view(e, n // BM, BM, g // 4, 4).permute(0, 1, 3, 2, 4)  # [E, nt, kt, 128, 4]
+    out = torch.empty(e, n // BM, g // 4, SF_ATOM, dtype=torch.uint8, device=scale.device)
+    out[..., sf_atom_offsets(scale.device).reshape(-1)] = tiles.reshape(e, n // BM, g // 4, -1)
+    return out
+
+
+def _unpack_sf(sf: torch.Tensor) -> torch.Tensor:
+    e, nt, kt, _ = sf.shape
+    tiles = sf[..., sf_atom_offsets(sf.device).reshape(-1)].view(e, nt, kt, BM, 4)
+    return tiles.permute(0, 1, 3, 2, 4).reshape(e, nt * BM, kt * 4)
+
+
+def prepack_mxfp4_k128(w: MXFP4Tensor, gate_up: bool = False) -> PackedK128:
+    """MXFP4 [E, N, K] -> PackedK128. gate_up=True: W13 (gate rows then up rows) interleaved for SwiGLU tiles."""
+    check_mxfp4(w.packed, w.scale, "prepack_mxfp4_k128")
+    if w.packed.dim() != 3:
+        raise ValueError(f"prepack_mxfp4_k128: expected [E, N, K/2] experts, got {tuple(w.packed.shape)}")
+    _e, n, k = w.shape
+    _check_nk(n, k, "prepack_mxfp4_k128")
+    packed, scale = w.packed, w.scale
+    if gate_up:
+        perm = gate_up_permutation(n // 2, GATE_UP_GROUP, packed.device)
+        packed, scale = packed[:, perm], scale[:, perm]
+    return PackedK128(_tile_rows(packed, K_TILE // 2), _pack_sf(scale), n, k, "mxfp4", gate_up)
+
+
+def prepack_mxfp8_k128(q: torch.Tensor, scale: torch.Tensor, gate_up: bool = False) -> PackedK128:
+    """MXFP8 weights (float8_e4m3fn [E, N, K] + UE8M0 [E, N, K/32]) -> PackedK128 (the FP8 x FP8 mode)."""
+    if q.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8 or q.dim() != 3:
+        raise ValueError("prepack_mxfp8_k128: expected float8_e4m3fn [E, N, K] and uint8 UE8M0 [E, N, K/32]")
+    e, n, k = q.shape
+    _check_nk(n, k, "prepack_mxfp8_k128")
+    if tuple(scale.shape) != (e, n, k // SF_GROUP):
+        raise ValueError(f"prepack_mxfp8_k128: scale shape {tuple(scale.shape)} != {(e, n, k // SF_GROUP)}")
+    data = q.view(torch.uint8)
+    if gate_up:
+        perm = gate_up_permutation(n // 2, GATE_UP_GROUP, q.device)
+        data, scale = data[:, perm], scale[:, perm]
+    return PackedK128(_tile_rows(data, K_TILE), _pack_sf(scale), n, k, "mxfp8", gate_up)
+
+
+def unpack_k128(p: PackedK128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact inverse: (packed bytes [E, N, K/2] or float8 [E, N, K], UE8M0 scale [E, N, K/32]) in logical row order."""
+    data, scale = _untile_rows(p.data), _unpack_sf(p.sf)
+    if p.gate_up:
+        inv = inverse_permutation(gate_up_permutation(p.n // 2, GATE_UP_GROUP, data.device))
+        data, scale = data[:, inv], scale[:, inv]
+    if p.fmt == "mxfp8":
+        data = data.view(torch.float8_e4m3fn)
+    return data.contiguous(), scale.contiguous()
