@@ -1,15 +1,15 @@
 """In-register FP4 E2M1 -> FP8 E4M3 decode for sm_90a (WGMMA cannot take FP4; CuTe DSL's E2M1 .to() does not lower
 on sm_90a). Eight E2M1 codes in one 32-bit word become eight E4M3 bytes in two 32-bit words:
 
-    pos = prmt(LUT_LO, LUT_HI, code & 0x7777)        # magnitude codes 0..7 select bytes of an 8-byte table
-    neg = pos | 0x80808080                           # the same values, negative
-    out = prmt(pos, neg, 0x3210 | ((code & 0x8888) >> 1))   # sign bit 3 of each nibble -> selector bit 2: pick neg
+    mag  = prmt(LUT_LO, LUT_HI, code & 0x7777)              # magnitude codes 0..7 select bytes of an 8-byte table
+    sign = prmt(code << 4, code, 0xD9C8)                     # sign-replicate mode: 0xFF where the code's bit 3 is set
+    out  = mag | (sign & 0x80808080)                         # (then the same for codes 4-7 with idx >> 16, 0xFBEA)
 
     LUT bytes (E4M3 of the E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6): 00 30 38 3C | 40 44 48 4C
     (done twice per word: nibbles 0-3, then nibbles 4-7 after a 16-bit shift)
 
-A relative group exponent d <= 0 (windowed scales, see prepack) scales the table: every non-zero entry minus 8*|d|
-in the exponent field, exact for d >= -5 (normals) and precomputed in the prepacker for the rest.
+The LUT is an operand: with windowed scales (see prepack) each 32-group uses the table of its relative exponent,
+LUT[dd] = E4M3(magnitudes * 2^-dd), one of 16 tables kept in shared memory.
 """
 
 from __future__ import annotations
@@ -18,22 +18,22 @@ E4M3_OF_E2M1 = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C)
 LUT_LO = E4M3_OF_E2M1[0] | E4M3_OF_E2M1[1] << 8 | E4M3_OF_E2M1[2] << 16 | E4M3_OF_E2M1[3] << 24
 LUT_HI = E4M3_OF_E2M1[4] | E4M3_OF_E2M1[5] << 8 | E4M3_OF_E2M1[6] << 16 | E4M3_OF_E2M1[7] << 24
 
-# One PTX block: $0, $1 = out words; $2 = 8 codes; $3, $4 = LUT words (per-group tables pass registers here).
+# One PTX block: $0, $1 = out words (codes 0-3, codes 4-7); $2 = 8 codes; $3, $4 = the LUT (register operands, so a
+# per-group table — the windowed scale's relative exponent — costs nothing extra). 9 instructions per 8 values:
+#   magnitude: prmt over the 8-byte LUT with the code's low 3 bits;
+#   sign:      prmt in sign-replicate mode over (word << 4, word) gives 0xFF/0x00 per byte from each code's bit 3;
+#   merge:     lop3  out = mag | (sign & 0x80808080)
 DECODE8_PTX = """{
-.reg .b32 idx, sgn, pos, neg, sel, hi;
+.reg .b32 idx, idxh, w4, pos, msk;
 and.b32 idx, $2, 0x77777777;
-and.b32 sgn, $2, 0x88888888;
-shr.u32 sgn, sgn, 1;
+shl.b32 w4, $2, 4;
 prmt.b32 pos, $3, $4, idx;
-or.b32 neg, pos, 0x80808080;
-or.b32 sel, sgn, 0x3210;
-prmt.b32 $0, pos, neg, sel;
-shr.u32 idx, idx, 16;
-shr.u32 sgn, sgn, 16;
-prmt.b32 pos, $3, $4, idx;
-or.b32 neg, pos, 0x80808080;
-or.b32 sel, sgn, 0x3210;
-prmt.b32 $1, pos, neg, sel;
+prmt.b32 msk, w4, $2, 0xD9C8;
+lop3.b32 $0, pos, msk, 0x80808080, 0xF8;
+shr.u32 idxh, idx, 16;
+prmt.b32 pos, $3, $4, idxh;
+prmt.b32 msk, w4, $2, 0xFBEA;
+lop3.b32 $1, pos, msk, 0x80808080, 0xF8;
 }"""
 
 
@@ -51,10 +51,8 @@ def decode8_reference(word: int, lut_lo: int = LUT_LO, lut_hi: int = LUT_HI) -> 
             out |= byte << (8 * i)
         return out
 
-    idx, sgn = word & 0x77777777, (word & 0x88888888) >> 1
-    outs = []
-    for _ in range(2):
-        pos = prmt(lut_lo, lut_hi, idx)
-        outs.append(prmt(pos, pos | 0x80808080, (sgn & 0xFFFF) | 0x3210))
-        idx, sgn = idx >> 16, sgn >> 16
-    return outs[0], outs[1]
+    idx = word & 0x77777777
+    w4 = (word << 4) & 0xFFFFFFFF
+    lo = prmt(lut_lo, lut_hi, idx) | (prmt(w4, word, 0xD9C8) & 0x80808080)
+    hi = prmt(lut_lo, lut_hi, idx >> 16) | (prmt(w4, word, 0xFBEA) & 0x80808080)
+    return lo, hi

@@ -1,0 +1,410 @@
+"""Grouped FP8-activation x MXFP4-weight GEMMs for sm_90a: W1 (+ SwiGLU, routing weight, FP8 requant) and W2 (+ row
+scatter), one expert per grid column, register-A WGMMA with the FP4 -> E4M3 decode in registers.
+
+    for each expert e, CTA tile mt (256 weight rows), N tile nt of the expert's tokens:
+        acc[256, N] = sum_w  2^(base[:, w] - 127) * sx[:, w] * (decode(Wq[e, mt, w]) @ X[rows, 128 w : 128 w + 128]^T)
+    W1 epilogue: h = silu(acc[gate rows]) * acc[up rows] * route_w -> FP8 E4M3 per token per 128 columns (+ scale)
+    W2 epilogue: out[dst[row], 256 mt + m] = bf16(acc[m, token])
+
+Threads: 2 warpgroups; warpgroup j owns rows [128 j, 128 j + 128) of the tile as 2 WGMMA subtiles of 64 rows. Each
+thread streams its own weight fragments with 16-byte loads `prefetch` windows ahead (weights never pass through shared
+memory), decodes them in registers (decode_ptx, per-group LUT from shared memory), and issues m64nNk32 WGMMAs with A
+from registers and B (tokens) from shared memory. Activations arrive by TMA, one 128-K window per stage; thread 0 is
+the producer. Each window's WGMMAs accumulate into a window accumulator that is then promoted into the main
+accumulator with the window's weight base scale and the tokens' activation scales (two-level FP32 accumulation).
+
+Inputs (see ops.py for how they are made):
+    wq     int32 [E*MT*W*8, 128, 4]   prepacked weights (prepack.PackedSm90.data)
+    ws     int32 [E*MT*W, 256]         windowed scale records (prepack.PackedSm90.scales)
+    x      fp8   [R, K]                expert-sorted token rows, each expert's rows padded to a multiple of N
+    sxT    fp32  [W, R]                activation scales, transposed (powers of two)
+    offs   int32 [E + 1]               padded row offsets; count = cnt[e]
+    cnt    int32 [E]                   valid rows of each expert
+    lut    int32 [32]                  LUT[dd] words (prepack.lut_words)
+    W1: rw fp32 [R] routing weight per row; hq uint8 [R, M/2] FP8 intermediate; hsT fp32 [M/256, R] its scales
+    W2: dst int32 [R] output row per input row; out bf16 [R_out, M]
+
+Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
+"""
+
+# No `from __future__ import annotations` in kernel files: the DSL reads the annotations as live objects.
+from functools import cache
+
+from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
+
+from .config import Sm90Config
+from .decode_ptx import DECODE8_PTX
+
+cutlass, cute = cutlass_modules()
+import cuda.bindings.driver as cuda  # noqa: E402
+import cutlass.pipeline as pipeline  # noqa: E402
+import cutlass.utils as utils  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
+from cutlass import runtime as crt  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
+from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
+
+Int32, Float32 = cutlass.Int32, cutlass.Float32
+THREADS = 256
+WINDOW_K = 128
+TILE_M = 256
+
+
+@dsl_user_op
+def decode8(word, lut_lo, lut_hi, *, loc=None, ip=None):
+    """8 E2M1 codes -> (E4M3 bytes of codes 0-3, of codes 4-7) through the given LUT."""
+    i32 = T.i32()
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([i32, i32]),
+        [Int32(word).ir_value(loc=loc, ip=ip), Int32(lut_lo).ir_value(loc=loc, ip=ip),
+         Int32(lut_hi).ir_value(loc=loc, ip=ip)],
+        DECODE8_PTX, "=r,=r,r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return (Int32(llvm.extractvalue(i32, res, [0], loc=loc, ip=ip)),
+            Int32(llvm.extractvalue(i32, res, [1], loc=loc, ip=ip)))
+
+
+@dsl_user_op
+def bits_to_f32(x, *, loc=None, ip=None):
+    return Float32(llvm.bitcast(T.f32(), Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32_to_bits(x, *, loc=None, ip=None):
+    return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def cvt_e4m3x2(hi, lo, *, loc=None, ip=None):
+    """Two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits: byte 0 from lo, byte 1 from hi."""
+    res = llvm.inline_asm(
+        T.i32(),
+        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b16 h;\ncvt.rn.satfinite.e4m3x2.f32 h, $1, $2;\ncvt.u32.u16 $0, h;\n}",
+        "=r,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Int32(res)
+
+
+class GroupedGemmSm90:
+    """One compiled variant: mode 'w1' or 'w2', weight rows M, reduction K, config."""
+
+    def __init__(self, mode: str, m: int, k: int, cfg: Sm90Config):
+        if mode not in ("w1", "w2"):
+            raise ValueError(f"mode must be 'w1' or 'w2', got {mode!r}")
+        self.is_w1 = mode == "w1"
+        self.m, self.k, self.cfg = m, k, cfg
+        self.n = cfg.n_tile
+        self.windows = k // WINDOW_K
+        self.m_tiles = m // TILE_M
+        self.stages = cfg.stages
+        self.prefetch = cfg.prefetch
+
+    @cute.jit
+    def __call__(self, wq: cute.Tensor, ws: cute.Tensor, x: cute.Tensor, sxT: cute.Tensor, offs: cute.Tensor,
+                 cnt: cute.Tensor, lut: cute.Tensor, ep_a: cute.Tensor, ep_b: cute.Tensor, ep_c: cute.Tensor,
+                 num_experts: Int32, stream: cuda.CUstream):
+        f8 = cutlass.Float8E4M3FN
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            f8, f8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1),
+            (64, self.n), warpgroup.OperandSource.RMEM)
+        b_layout = utils.LayoutEnum.from_tensor(x)
+        b_smem_staged = sm90_utils.make_smem_layout_b(b_layout, (64, self.n, WINDOW_K), f8, self.stages)
+        b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
+        tma_atom, tma_x = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), x, b_smem_one,
+                                                      (self.n, WINDOW_K))
+
+        @cute.struct
+        class Shared:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            lut: cute.struct.MemRange[Int32, 32]
+            red: cute.struct.MemRange[Float32, 8 * self.n]
+            sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
+
+        self.shared = Shared
+        self.kernel(wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, tiled_mma,
+                    b_smem_staged).launch(grid=[self.m_tiles, num_experts, 1], block=[THREADS, 1, 1],
+                                          smem=Shared.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, wq: cute.Tensor, ws: cute.Tensor, tma_atom: cute.CopyAtom, tma_x: cute.Tensor,
+               sxT: cute.Tensor, offs: cute.Tensor, cnt: cute.Tensor, lut: cute.Tensor, ep_a: cute.Tensor,
+               ep_b: cute.Tensor, ep_c: cute.Tensor, tiled_mma: cute.TiledMma,
+               b_smem_staged: cute.ComposedLayout):
+        n_tile, nw, depth = self.n, self.windows, self.prefetch
+        tidx, _, _ = cute.arch.thread_idx()
+        mt, e, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = tidx // 128  # warpgroup j
+        tw = tidx % 128
+        lane = tidx % 32
+        g = lane // 4
+        t0 = lane % 4
+        wwarp = tw // 32  # warp within the warpgroup
+
+        count = cnt[e]
+        row_base = offs[e]
+        n_tiles = (count + n_tile - 1) // n_tile
+
+        smem = utils.SmemAllocator()
+        st = smem.allocate(self.shared)
+        slut = st.lut.get_tensor(cute.make_layout(32))
+        sred = st.red.get_tensor(cute.make_layout((n_tile, 8)))  # [token column, warp 0..7]
+        sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom)
+        if tidx < 32:
+            slut[tidx] = lut[tidx]
+
+        b_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(b_smem_staged, (None, None, 0)))
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.mbar.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+            tx_count=b_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        cute.arch.barrier()
+
+        # TMA partitions of the activation rows: (N, 128) boxes at (row tile, window)
+        gX = cute.local_tile(tma_x, (n_tile, WINDOW_K), (None, None))
+        tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gX, 0, 2))
+        thr_mma = tiled_mma.get_slice(tw)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))  # (MMA, 1, 4 k32, stages)
+        a_shape = thr_mma.partition_shape_A((64, WINDOW_K))
+        c_shape = thr_mma.partition_shape_C((64, n_tile))
+        frag0 = cute.make_rmem_tensor(a_shape, cutlass.Float8E4M3FN)
+        frag1 = cute.make_rmem_tensor(a_shape, cutlass.Float8E4M3FN)
+        fw0 = cute.recast_tensor(frag0, Int32)
+        fw1 = cute.recast_tensor(frag1, Int32)
+        acc0 = cute.make_rmem_tensor(c_shape, Float32)
+        acc1 = cute.make_rmem_tensor(c_shape, Float32)
+        accw0 = cute.make_rmem_tensor(c_shape, Float32)
+        accw1 = cute.make_rmem_tensor(c_shape, Float32)
+        nacc = cute.size(acc0)  # n_tile / 2 values: v0 (col +1), v1 (row +8), q (col +8)
+        ncol = n_tile // 4  # token columns per thread: 2 t0 + v0 + 8 q
+
+        # register prefetch of weights: abuf[word 0..3, half, sub, slot], sbuf[row u, sub, slot]
+        abuf = cute.make_rmem_tensor((4, 2, 2, depth), Int32)
+        sbuf = cute.make_rmem_tensor((2, 2, depth), Int32)
+        prev_rs = cute.make_rmem_tensor((2, 2), Float32)  # [row u, sub] of the window in flight
+        prev_sx = cute.make_rmem_tensor(ncol, Float32)
+        cur_sx = cute.make_rmem_tensor(ncol, Float32)
+
+        blk0 = (e * self.m_tiles + mt) * nw  # window-major index base
+        srow0 = 128 * wg + 16 * wwarp + g  # CTA row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
+
+        # total TMA loads of this CTA: n_tiles * nw windows; thread 0 produces, S-1 ahead
+        total = n_tiles * nw
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        prev = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        issued = Int32(0)
+        tile_row0 = row_base // n_tile
+        if tidx == 0:
+            for _ in cutlass.range_constexpr(self.stages - 1):
+                if issued < total:
+                    pipe.producer_acquire(prod)
+                    it_t = issued // nw
+                    it_w = issued - it_t * nw
+                    cute.copy(tma_atom, tXgX[(None, tile_row0 + it_t, it_w)], tXsX[(None, prod.index)],
+                              tma_bar_ptr=pipe.producer_get_barrier(prod))
+                    pipe.producer_commit(prod)
+                    prod.advance()
+                    issued += 1
+
+        for nt in cutlass.range(n_tiles, unroll=1):
+            acc0.fill(0.0)
+            acc1.fill(0.0)
+            col_base = nt * n_tile
+            # prologue: the first `depth` windows of weights and scales
+            for j in cutlass.range_constexpr(depth):
+                self.load_window(wq, ws, abuf, sbuf, blk0 + j, wg, tw, srow0, j)
+            for w0 in cutlass.range(0, nw, depth, unroll=1):
+                for j in cutlass.range_constexpr(depth):
+                    w = w0 + j
+                    if w > 0:
+                        warpgroup.wait_group(0)
+                        pipe.consumer_release(prev)
+                        if tidx == 0:
+                            if issued < total:
+                                pipe.producer_acquire(prod)
+                                it_t = issued // nw
+                                it_w = issued - it_t * nw
+                                cute.copy(tma_atom, tXgX[(None, tile_row0 + it_t, it_w)], tXsX[(None, prod.index)],
+                                          tma_bar_ptr=pipe.producer_get_barrier(prod))
+                                pipe.producer_commit(prod)
+                                prod.advance()
+                                issued += 1
+                        self.promote(acc0, accw0, prev_rs, prev_sx, 0)
+                        self.promote(acc1, accw1, prev_rs, prev_sx, 1)
+                    # activation scales of this window's token columns
+                    for c in cutlass.range_constexpr(ncol):
+                        col = 2 * t0 + (c % 2) + 8 * (c // 2)
+                        cur_sx[c] = sxT[w, row_base + col_base + col]
+                    # decode this window's weights into the A fragments, remember its row scales
+                    for s in cutlass.range_constexpr(2):
+                        fw = fw0 if s == 0 else fw1
+                        for step in cutlass.range_constexpr(4):
+                            h, sh = step // 2, step % 2
+                            wa = abuf[2 * sh, h, s, j]
+                            wb = abuf[2 * sh + 1, h, s, j]
+                            dda = (sbuf[0, s, j] >> (16 + 4 * step)) & 0xF
+                            ddb = (sbuf[1, s, j] >> (16 + 4 * step)) & 0xF
+                            a0, a2 = decode8(wa, slut[2 * dda], slut[2 * dda + 1])
+                            a1, a3 = decode8(wb, slut[2 * ddb], slut[2 * ddb + 1])
+                            fw[4 * step + 0] = a0
+                            fw[4 * step + 1] = a1
+                            fw[4 * step + 2] = a2
+                            fw[4 * step + 3] = a3
+                        for u in cutlass.range_constexpr(2):
+                            prev_rs[u, s] = bits_to_f32((sbuf[u, s, j] & 0xFF) << 23)
+                    for c in cutlass.range_constexpr(ncol):
+                        prev_sx[c] = cur_sx[c]
+                    # refill this slot with window w + depth (same N tile)
+                    if w + depth < nw:
+                        self.load_window(wq, ws, abuf, sbuf, blk0 + w + depth, wg, tw, srow0, j)
+                    pipe.consumer_wait(cons)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(4):
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(tiled_mma, accw0, frag0[(None, None, kb)], tCrB[(None, None, kb, cons.index)],
+                                  accw0)
+                    for kb in cutlass.range_constexpr(4):
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                        cute.gemm(tiled_mma, accw1, frag1[(None, None, kb)], tCrB[(None, None, kb, cons.index)],
+                                  accw1)
+                    warpgroup.commit_group()
+                    prev = cons.clone()
+                    cons.advance()
+            # drain the tile: last window's MMAs, release its stage, promote
+            warpgroup.wait_group(0)
+            pipe.consumer_release(prev)
+            if tidx == 0:
+                if issued < total:
+                    pipe.producer_acquire(prod)
+                    it_t = issued // nw
+                    it_w = issued - it_t * nw
+                    cute.copy(tma_atom, tXgX[(None, tile_row0 + it_t, it_w)], tXsX[(None, prod.index)],
+                              tma_bar_ptr=pipe.producer_get_barrier(prod))
+                    pipe.producer_commit(prod)
+                    prod.advance()
+                    issued += 1
+            self.promote(acc0, accw0, prev_rs, prev_sx, 0)
+            self.promote(acc1, accw1, prev_rs, prev_sx, 1)
+            if cutlass.const_expr(self.is_w1):
+                self.epilogue_w1(acc0, acc1, sred, ep_a, ep_b, ep_c, mt, wg, wwarp, g, t0, lane,
+                                 row_base + col_base, count - col_base)
+            else:
+                self.epilogue_w2(acc0, acc1, ep_a, ep_b, mt, wg, wwarp, g, t0, row_base + col_base,
+                                 count - col_base)
+
+    @cute.jit
+    def load_window(self, wq: cute.Tensor, ws: cute.Tensor, abuf: cute.Tensor, sbuf: cute.Tensor, blk: Int32,
+                    wg: Int32, tw: Int32, srow0: Int32, slot: cutlass.Constexpr):
+        for s in cutlass.range_constexpr(2):
+            for h in cutlass.range_constexpr(2):
+                cute.autovec_copy(wq[blk * 8 + wg * 4 + s * 2 + h, tw, None], abuf[None, h, s, slot])
+            for u in cutlass.range_constexpr(2):
+                sbuf[u, s, slot] = ws[blk, srow0 + 64 * s + 8 * u]
+
+    @cute.jit
+    def promote(self, acc: cute.Tensor, accw: cute.Tensor, rs: cute.Tensor, sx: cute.Tensor,
+                s: cutlass.Constexpr):
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            v0, v1, q = i % 2, (i // 2) % 2, i // 4
+            acc[i] = acc[i] + accw[i] * (rs[v1, s] * sx[v0 + 2 * q])
+
+    @cute.jit
+    def epilogue_w1(self, acc0: cute.Tensor, acc1: cute.Tensor, sred: cute.Tensor, rw: cute.Tensor,
+                    hq: cute.Tensor, hsT: cute.Tensor, mt: Int32, wg: Int32, wwarp: Int32, g: Int32, t0: Int32,
+                    lane: Int32, row0: Int32, valid: Int32):
+        """h = silu(gate) * up * rw per (token, intermediate column); FP8 per token per the tile's 128 columns."""
+        ncol = self.n // 4
+        h0 = cute.make_rmem_tensor(ncol, Float32)
+        h1 = cute.make_rmem_tensor(ncol, Float32)
+        amax = cute.make_rmem_tensor(ncol, Float32)
+        warp8 = 4 * wg + wwarp
+        for c in cutlass.range_constexpr(ncol):
+            v0, q = c % 2, c // 2
+            col = 2 * t0 + v0 + 8 * q
+            i_gate, i_up = 4 * q + v0, 4 * q + 2 + v0
+            w = Float32(0.0)
+            if col < valid:
+                w = rw[row0 + col]
+            gate0, up0 = acc0[i_gate], acc0[i_up]
+            gate1, up1 = acc1[i_gate], acc1[i_up]
+            h0[c] = gate0 / (Float32(1.0) + cute.math.exp(-gate0)) * up0 * w
+            h1[c] = gate1 / (Float32(1.0) + cute.math.exp(-gate1)) * up1 * w
+            m = cute.arch.fmax(cute.math.absf(h0[c]), cute.math.absf(h1[c]))
+            for off in cutlass.range_constexpr(3):
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=4 << off))
+            amax[c] = m
+            if g == 0:
+                sred[col, warp8] = m
+        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+        for c in cutlass.range_constexpr(ncol):
+            col = 2 * t0 + (c % 2) + 8 * (c // 2)
+            m = sred[col, 0]
+            for k in cutlass.range_constexpr(1, 8):
+                m = cute.arch.fmax(m, sred[col, k])
+            # smallest 2^e with m <= 448 * 2^e (m = 1.f * 2^(E-127)): e = E - 135, +1 when 1.f > 1.75
+            bits = f32_to_bits(m)
+            ex = ((bits >> 23) & 0xFF) - 135
+            if (bits & 0x7FFFFF) > 0x600000:
+                ex = ex + 1
+            if m == Float32(0.0):
+                ex = Int32(0)
+            ex = cutlass.max(cutlass.min(ex, 126), -126)
+            inv = bits_to_f32((127 - ex) << 23)
+            if col < valid:
+                row = row0 + col
+                q2 = cvt_e4m3x2(h1[c] * inv, h0[c] * inv)
+                c_base = 128 * mt + 64 * wg + 8 * wwarp + g  # intermediate column of subtile 0
+                hq[row, c_base] = cutlass.Uint8(q2 & 0xFF)
+                hq[row, c_base + 32] = cutlass.Uint8((q2 >> 8) & 0xFF)
+                if wg == 0:
+                    if wwarp == 0:
+                        if g == 0:
+                            hsT[mt, row] = bits_to_f32((127 + ex) << 23)
+        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+
+    @cute.jit
+    def epilogue_w2(self, acc0: cute.Tensor, acc1: cute.Tensor, dst: cute.Tensor, out: cute.Tensor, mt: Int32,
+                    wg: Int32, wwarp: Int32, g: Int32, t0: Int32, row0: Int32, valid: Int32):
+        """out[dst[row], m] = bf16(acc) for the tile's 256 output columns m."""
+        m_base = 256 * mt + 128 * wg + 16 * wwarp + g
+        for i in cutlass.range_constexpr(self.n // 2):
+            v0, v1, q = i % 2, (i // 2) % 2, i // 4
+            col = 2 * t0 + v0 + 8 * q
+            if col < valid:
+                orow = dst[row0 + col]
+                out[orow, m_base + 8 * v1] = acc0[i].to(cutlass.BFloat16)
+                out[orow, m_base + 64 + 8 * v1] = acc1[i].to(cutlass.BFloat16)
+
+
+@cache
+def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
+    """Compile one variant against fake tensors (dynamic expert count and row count)."""
+    f8 = cutlass.Float8E4M3FN
+    nw = k // WINDOW_K
+    dyn = cute.sym_int  # one symbol per tensor: their extents are passed at run time, independently
+    wq = make_fake_compact_tensor(Int32, (dyn(), 128, 4), stride_order=(2, 1, 0), assumed_align=16)
+    ws = make_fake_compact_tensor(Int32, (dyn(), 256), stride_order=(1, 0), assumed_align=16)
+    x = make_fake_compact_tensor(f8, (dyn(), k), stride_order=(1, 0), assumed_align=16)
+    sxT = make_fake_compact_tensor(Float32, (nw, dyn()), stride_order=(1, 0), assumed_align=16)
+    offs = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)
+    cnt = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)
+    lut = make_fake_compact_tensor(Int32, (32,), assumed_align=16)
+    if mode == "w1":
+        ep_a = make_fake_compact_tensor(Float32, (dyn(),), assumed_align=4)  # rw
+        ep_b = make_fake_compact_tensor(cutlass.Uint8, (dyn(), m // 2), stride_order=(1, 0), assumed_align=16)
+        ep_c = make_fake_compact_tensor(Float32, (m // TILE_M, dyn()), stride_order=(1, 0), assumed_align=4)
+    else:
+        ep_a = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)  # dst
+        ep_b = make_fake_compact_tensor(cutlass.BFloat16, (dyn(), m), stride_order=(1, 0), assumed_align=16)
+        ep_c = make_fake_compact_tensor(Float32, (1,), assumed_align=4)  # unused
+    kern = GroupedGemmSm90(mode, m, k, cfg)
+    return compile_kernel(kern, wq, ws, x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, Int32(1),
+                          crt.make_fake_stream(), arch=arch, name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}")

@@ -1,0 +1,234 @@
+"""Host side of the sm90 grouped GEMMs: routing metadata on the GPU (no host sync), input preparation, the W1 and W2
+launches, and the whole routed(+shared)-expert layer built from them.
+
+    layout = group_rows(topk_ids, num_experts, n_tile)          # expert-sorted, padded rows; sync-free
+    acts   = prepare_activations(x, topk_weights, layout)        # FP8 rows, transposed scales, routing weights
+    hq, hsT = w1(packed_w13, acts, layout)                       # FP8 intermediate in W2's input layout
+    w2(packed_w2, hq, hsT, layout, out)                          # bf16 rows scattered to out[slot]
+    y = MoESm90(weights).forward(x, ids, w)                      # + shared experts as extra always-on experts
+
+Shared experts ride the same kernels: expert ids E..E+S-1 are appended to every token's routing with weight 1, so
+the combine (slot order: routed 0..k-1, then shared) matches gcmoe_core.reference exactly in structure.
+Every step is a fixed-shape device computation: the layer captures into a CUDA graph and replays with new routing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gcmoe_core.formats import MXFP4Tensor, quantize_fp8_e4m3_1x128
+from gcmoe_core.reference import MoEWeights, combine_slots
+
+from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config
+from .prepack import PackedSm90, lut_words, prepack_sm90
+
+
+@dataclass
+class RowLayout:
+    """Expert-sorted rows of the (token, slot) pairs, each expert's rows padded to a multiple of n_tile."""
+
+    n_tile: int
+    rows: int  # capacity R (static for a token count)
+    offsets: torch.Tensor  # int32 [E + 1] padded row offsets
+    counts: torch.Tensor  # int32 [E] valid rows per expert
+    src_slot: torch.Tensor  # int32 [R] flat slot (t * k + j) of each row, -1 for padding
+    slot_row: torch.Tensor  # int64 [T * k] row of each slot
+
+
+def row_capacity(slots: int, experts: int, n_tile: int) -> int:
+    cap = slots + experts * (n_tile - 1)
+    return -(-cap // n_tile) * n_tile
+
+
+def group_rows(topk_ids: torch.Tensor, num_experts: int, n_tile: int) -> RowLayout:
+    """Routing metadata with no host synchronisation (capturable)."""
+    flat = topk_ids.reshape(-1).long()
+    dev = flat.device
+    nslots = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + n_tile - 1) // n_tile * n_tile
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum(padded, 0)
+    starts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    starts[1:] = torch.cumsum(counts, 0)[:-1]
+    order = torch.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    pos = torch.arange(nslots, device=dev) - starts[e_sorted]
+    slot_row = torch.empty(nslots, dtype=torch.int64, device=dev)
+    slot_row[order] = offsets[e_sorted] + pos
+    rows = row_capacity(nslots, num_experts, n_tile)
+    src_slot = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+    src_slot[slot_row] = torch.arange(nslots, dtype=torch.int32, device=dev)
+    return RowLayout(n_tile, rows, offsets.to(torch.int32), counts.to(torch.int32), src_slot, slot_row)
+
+
+@dataclass
+class Activations:
+    x_rows: torch.Tensor  # uint8 (FP8 E4M3 bits) [R, H]
+    sxT: torch.Tensor  # fp32 [H/128, R]
+    route_w: torch.Tensor  # fp32 [R]
+
+
+def prepare_activations(x: torch.Tensor, topk_weights: torch.Tensor, layout: RowLayout, top_k: int) -> Activations:
+    """Quantise tokens once (FP8 1x128) and gather them into expert-sorted rows; padding rows copy token 0."""
+    q, s = quantize_fp8_e4m3_1x128(x)
+    slot = layout.src_slot.long().clamp(min=0)
+    tok = slot // top_k
+    x_rows = q.view(torch.uint8)[tok]
+    sxT = s[tok].t().contiguous()
+    w = topk_weights.reshape(-1).float()[slot]
+    route_w = torch.where(layout.src_slot >= 0, w, torch.zeros_like(w))
+    return Activations(x_rows, sxT, route_w)
+
+
+def _cute(t: torch.Tensor, dynamic_mode: int | None = 0, align: int | None = None, fp8: bool = False):
+    """dynamic_mode=None: a statically shaped tensor (its extents are compiled in)."""
+    from gcmoe_core.cutedsl import as_cute, cutlass_modules
+
+    if dynamic_mode is None:
+        from cutlass.cute.runtime import from_dlpack
+
+        return from_dlpack(t, assumed_align=align)
+    return as_cute(t, dynamic_mode, align, cutlass_modules()[0].Float8E4M3FN if fp8 else None)
+
+
+def _launch(mode: str, packed: PackedSm90, x_rows, sxT, layout: RowLayout, ep_a, ep_b, ep_c, cfg: Sm90Config):
+    import cuda.bindings.driver as cuda
+
+    from gcmoe_core.cutedsl import target_arch
+
+    from .kernel_grouped import compiled
+
+    dev = x_rows.device
+    kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
+    e = packed.experts
+    wq = packed.data.view(torch.int32).view(-1, 128, 4)
+    ws = packed.scales.view(-1, 256)
+    lut = _lut(dev)
+    kern(_cute(wq, 0, 16), _cute(ws, 0, 16), _cute(x_rows, 0, 16, fp8=True), _cute(sxT, 1, 16),
+         _cute(layout.offsets, 0, 4), _cute(layout.counts, 0, 4), _cute(lut, None, 16), ep_a, ep_b, ep_c,
+         e, cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
+
+
+_LUTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut(dev: torch.device) -> torch.Tensor:
+    if dev not in _LUTS:
+        _LUTS[dev] = lut_words().reshape(-1).contiguous().to(dev)
+    return _LUTS[dev]
+
+
+def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config):
+    """-> (hq uint8 [R, I] FP8 bits, hsT fp32 [I/128, R])."""
+    rows, inter = layout.rows, packed.m // 2
+    dev = acts.x_rows.device
+    hq = torch.empty(rows, inter, dtype=torch.uint8, device=dev)
+    hsT = torch.empty(packed.m // TILE_M, rows, dtype=torch.float32, device=dev)
+    _launch("w1", packed, acts.x_rows, acts.sxT, layout, _cute(acts.route_w, 0, 4), _cute(hq, 0, 16),
+            _cute(hsT, 1, 4), cfg)
+    return hq, hsT
+
+
+def w2(packed: PackedSm90, hq: torch.Tensor, hsT: torch.Tensor, layout: RowLayout, out: torch.Tensor,
+       cfg: Sm90Config) -> torch.Tensor:
+    """out[slot, :] = W2_e h[row] for every valid row (slot = the row's (token, slot) index); bf16 [T*k, H]."""
+    dummy = torch.empty(1, dtype=torch.float32, device=hq.device)
+    _launch("w2", packed, hq, hsT, layout, _cute(layout.src_slot, 0, 4), _cute(out, 0, 16),
+            _cute(dummy, None, 4), cfg)
+    return out
+
+
+class MoESm90:
+    """The routed (+ shared) experts of one rank on the sm90 kernels."""
+
+    def __init__(self, weights: MoEWeights, cfg: Sm90Config | None = None):
+        if weights.quant != "fp8_mxfp4":
+            raise ValueError("MoESm90: the sm90 kernels take MXFP4 weights (quant='fp8_mxfp4')")
+        w13, w2_ = weights.w13, weights.w2
+        if weights.num_shared:
+            w13 = MXFP4Tensor(torch.cat((w13.packed, weights.shared_w13.packed)),
+                              torch.cat((w13.scale, weights.shared_w13.scale)))
+            w2_ = MXFP4Tensor(torch.cat((w2_.packed, weights.shared_w2.packed)),
+                              torch.cat((w2_.scale, weights.shared_w2.scale)))
+        self.num_routed = weights.num_experts
+        self.num_shared = weights.num_shared
+        e, two_i, h = w13.shape
+        self.hidden, self.inter = h, two_i // 2
+        self.cfg = cfg
+        for name, (m, k) in (("w13", (two_i, h)), ("w2", (h, two_i // 2))):
+            why = can_implement(m, k, e, cfg or Sm90Config(prefetch=2))
+            if why:
+                raise ValueError(f"MoESm90: {name}: {why}")
+        self.w13 = prepack_sm90(w13, gate_up=True)
+        self.w2 = prepack_sm90(w2_, gate_up=False)
+
+    def config_for(self, tokens: int, top_k: int) -> Sm90Config:
+        cfg = self.cfg or choose_config(tokens, top_k, self.num_routed)
+        if min(self.hidden, self.inter) // WINDOW_K % cfg.prefetch:
+            cfg = Sm90Config(cfg.n_tile, cfg.stages, 2)
+        return cfg
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                emulate: bool = False) -> torch.Tensor:
+        """y [T, H] bf16. emulate=True runs the same pipeline with torch models of the two kernels (any device)."""
+        t, k = topk_ids.shape
+        if self.num_shared:
+            shared = torch.arange(self.num_routed, self.num_routed + self.num_shared, device=x.device,
+                                  dtype=topk_ids.dtype).expand(t, self.num_shared)
+            topk_ids = torch.cat((topk_ids, shared), dim=1)
+            topk_weights = torch.cat((topk_weights, torch.ones(t, self.num_shared, device=x.device)), dim=1)
+        slots = topk_ids.shape[1]
+        cfg = self.config_for(t, k)
+        layout = group_rows(topk_ids, self.num_routed + self.num_shared, cfg.n_tile)
+        acts = prepare_activations(x, topk_weights, layout, slots)
+        out = torch.empty(t * slots, self.hidden, dtype=torch.bfloat16, device=x.device)
+        if emulate:
+            from .prepack import unpack_sm90
+
+            hq, hsT = emulate_w1(unpack_sm90(self.w13), acts, layout)
+            emulate_w2(unpack_sm90(self.w2), hq, hsT, layout, out)
+        else:
+            hq, hsT = w1(self.w13, acts, layout, cfg)
+            w2(self.w2, hq, hsT, layout, out, cfg)
+        return combine_slots(out.view(t, slots, self.hidden))
+
+
+def emulate_w1(w13: MXFP4Tensor, acts: Activations, layout: RowLayout):
+    """Torch model of the W1 kernel's outputs (effective sm90 weights, FP32 math): (hq, hsT) for valid rows."""
+    from .prepack import effective_weights_sm90
+
+    eff = effective_weights_sm90(w13)
+    i = eff.shape[1] // 2
+    x = acts.x_rows.view(torch.float8_e4m3fn).float()
+    w_k = x.shape[1] // WINDOW_K
+    x = (x.view(-1, w_k, WINDOW_K) * acts.sxT.t().unsqueeze(-1)).view(x.shape[0], -1)
+    hq = torch.zeros(layout.rows, i, dtype=torch.uint8, device=x.device)
+    hsT = torch.zeros(i // 128, layout.rows, dtype=torch.float32, device=x.device)
+    offs, cnt = layout.offsets.tolist(), layout.counts.tolist()
+    for e in range(eff.shape[0]):
+        if cnt[e] == 0:
+            continue
+        r = slice(offs[e], offs[e] + cnt[e])
+        gu = x[r] @ eff[e].T
+        h = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:] * acts.route_w[r].unsqueeze(1)
+        q, s = quantize_fp8_e4m3_1x128(h)
+        hq[r], hsT[:, r] = q.view(torch.uint8), s.t()
+    return hq, hsT
+
+
+def emulate_w2(w2_: MXFP4Tensor, hq: torch.Tensor, hsT: torch.Tensor, layout: RowLayout, out: torch.Tensor):
+    from .prepack import effective_weights_sm90
+
+    eff = effective_weights_sm90(w2_)
+    hk = hq.shape[1] // WINDOW_K
+    h = (hq.view(torch.float8_e4m3fn).float().view(-1, hk, WINDOW_K) * hsT.t().unsqueeze(-1)).view(hq.shape[0], -1)
+    offs, cnt = layout.offsets.tolist(), layout.counts.tolist()
+    for e in range(eff.shape[0]):
+        if cnt[e] == 0:
+            continue
+        r = slice(offs[e], offs[e] + cnt[e])
+        out[layout.src_slot[r].long()] = (h[r] @ eff[e].T).to(torch.bfloat16)
+    return out

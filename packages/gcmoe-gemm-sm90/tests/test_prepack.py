@@ -1,0 +1,67 @@
+"""sm90 prepack: exact inverse, the kernel's decode replayed from the prepacked bytes, windowed-scale accounting,
+and the layer pipeline with torch models of the kernels against the reference (CPU)."""
+
+import pytest
+import torch
+
+from gcmoe_core.config import MoEConfig
+from gcmoe_core.formats import quantize_mxfp4, random_mxfp4
+from gcmoe_core.reference import moe_reference
+from gcmoe_core.testing import Case, make_problem
+from gcmoe_gemm_sm90.config import Sm90Config, can_implement, choose_config
+from gcmoe_gemm_sm90.ops import MoESm90, group_rows
+from gcmoe_gemm_sm90.prepack import decode_prepacked_reference, effective_weights_sm90, prepack_sm90, unpack_sm90
+
+
+@pytest.mark.parametrize("gate_up", [False, True])
+@pytest.mark.parametrize(("e", "m", "k"), [(1, 256, 128), (2, 512, 256), (3, 256, 512)])
+def test_roundtrip_and_decode_model(e, m, k, gate_up):
+    w = random_mxfp4((e, m, k), torch.Generator().manual_seed(m + k + e))
+    p = prepack_sm90(w, gate_up=gate_up)
+    assert p.data.shape == (e, m // 256, k // 128, 2, 2, 2, 128, 16) and p.scales.shape == (e, m // 256, k // 128, 256)
+    u = unpack_sm90(p)
+    assert torch.equal(u.packed, w.packed) and torch.equal(u.scale, w.scale)
+    assert torch.equal(decode_prepacked_reference(p), effective_weights_sm90(w))
+    assert torch.equal(effective_weights_sm90(w), w.dequantize()) and p.lossy_groups == 0
+
+
+def test_lossy_groups_are_counted_and_emulated():
+    w = torch.randn(1, 256, 128)
+    w[..., 32:64] *= 1e-3  # 2^-10 below its window's other groups
+    q = quantize_mxfp4(w)
+    p = prepack_sm90(q)
+    assert p.lossy_groups == 256
+    eff = effective_weights_sm90(q)
+    assert torch.equal(decode_prepacked_reference(p), eff)
+    exact = q.dequantize()
+    assert not torch.equal(eff, exact) and torch.equal(eff[..., :32], exact[..., :32])
+
+
+def test_group_rows_padding_and_order():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 1]])
+    lay = group_rows(ids, 4, 8)
+    assert lay.counts.tolist() == [1, 3, 0, 2] and lay.offsets.tolist() == [0, 8, 16, 16, 24]
+    assert lay.rows == 40  # 6 slots + 4 experts * 7 padding rows, rounded up to a multiple of 8
+    assert lay.src_slot[:2].tolist() == [3, -1] and lay.src_slot[8:12].tolist() == [1, 2, 5, -1]
+    assert lay.src_slot[16:19].tolist() == [0, 4, -1] and int((lay.src_slot >= 0).sum()) == 6
+    assert lay.slot_row.tolist() == [16, 8, 9, 0, 17, 10]
+
+
+@pytest.mark.parametrize("routing", ["uniform", "one_expert", "half_empty"])
+def test_layer_pipeline_with_kernel_models_equals_reference(routing):
+    cfg = MoEConfig(hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, num_shared_experts=1,
+                    max_tokens_per_rank=64)
+    x, ids, w, weights, _ = make_problem(Case(cfg, 13, routing, seed=3))
+    assert torch.equal(MoESm90(weights).forward(x, ids, w, emulate=True), moe_reference(x, ids, w, weights))
+
+
+def test_can_implement_and_config_choice():
+    assert can_implement(4096, 7168, 32, Sm90Config()) is None
+    assert "multiple of the 256-row" in can_implement(4000, 7168, 32, Sm90Config())
+    assert "scale window" in can_implement(4096, 100, 32, Sm90Config())
+    assert "prefetch" in can_implement(4096, 640, 32, Sm90Config(prefetch=4))
+    assert "experts" in can_implement(4096, 512, 0, Sm90Config())
+    assert choose_config(1, 8, 32).n_tile == 8 and choose_config(32, 8, 32).n_tile == 16
+    assert choose_config(256, 8, 32).n_tile == 32
+    with pytest.raises(ValueError, match="n_tile"):
+        Sm90Config(n_tile=24)
