@@ -9,13 +9,20 @@ from gcmoe_gemm_sm90.config import Sm90Config
 
 pytestmark = pytest.mark.compile
 
-VARIANTS = [("w1", 4096, 4096, Sm90Config(8, 4, 4)), ("w2", 4096, 2048, Sm90Config(8, 4, 4)),
-            ("w1", 4096, 7168, Sm90Config(16, 4, 4)), ("w1", 4096, 4096, Sm90Config(32, 4, 2)),
-            ("w2", 7168, 2048, Sm90Config(32, 4, 2))]
+VARIANTS = [
+    ("w1", 4096, 4096, Sm90Config(8, 4, 4)),
+    ("w2", 4096, 2048, Sm90Config(8, 4, 4)),
+    ("w1", 4096, 7168, Sm90Config(16, 4, 4)),
+    ("w1", 4096, 4096, Sm90Config(32, 4, 2)),
+    ("w2", 7168, 2048, Sm90Config(32, 4, 2)),
+]
 
 
-@pytest.mark.parametrize(("mode", "m", "k", "cfg"), VARIANTS, ids=lambda v: str(v) if not hasattr(v, "n_tile")
-                         else f"n{v.n_tile}p{v.prefetch}")
+@pytest.mark.parametrize(
+    ("mode", "m", "k", "cfg"),
+    VARIANTS,
+    ids=lambda v: str(v) if not hasattr(v, "n_tile") else f"n{v.n_tile}p{v.prefetch}",
+)
 def test_grouped_kernel_sass(mode, m, k, cfg):
     from gcmoe_gemm_sm90.kernel_grouped import compiled
 

@@ -13,8 +13,9 @@ from gcmoe_gemm_sm90.prepack import unpack_sm90
 
 pytestmark = pytest.mark.sm90
 
-SMALL = MoEConfig(hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, num_shared_experts=1,
-                  max_tokens_per_rank=512)
+SMALL = MoEConfig(
+    hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, num_shared_experts=1, max_tokens_per_rank=512
+)
 
 
 def _dequant_rows(hq, hsT):
@@ -43,8 +44,9 @@ def test_w1_then_w2_match_models(n_tile, routing):
     assert calc_diff(out, ref) < 1e-3
 
 
-@pytest.mark.parametrize(("model", "tokens"), [("deepseek-v4-flash", 1), ("deepseek-v4-flash", 32),
-                                                ("glm-4.5", 8), ("deepseek-v3", 128)])
+@pytest.mark.parametrize(
+    ("model", "tokens"), [("deepseek-v4-flash", 1), ("deepseek-v4-flash", 32), ("glm-4.5", 8), ("deepseek-v3", 128)]
+)
 def test_layer_vs_reference_on_model_shapes(model, tokens):
     cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=512)
     weights = make_weights(cfg, seed=tokens, device="cuda")

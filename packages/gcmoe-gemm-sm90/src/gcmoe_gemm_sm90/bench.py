@@ -111,9 +111,16 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
         w2(moe.w2, hq, hsT, layout, out, kcfg)
 
     graphs = {"ours_kernels": _graph(kernels), "ours_layer": _graph(lambda: moe.forward(x, ids, w))}
-    rec = {"model": model, "ep": ep, "tokens": tokens, "n_tile": kcfg.n_tile, "prefetch": kcfg.prefetch,
-           "stages": kcfg.stages, "active_experts": int(torch.unique(ids).numel()),
-           "max_rows_per_expert": int(layout.counts.max())}
+    rec = {
+        "model": model,
+        "ep": ep,
+        "tokens": tokens,
+        "n_tile": kcfg.n_tile,
+        "prefetch": kcfg.prefetch,
+        "stages": kcfg.stages,
+        "active_experts": int(torch.unique(ids).numel()),
+        "max_rows_per_expert": int(layout.counts.max()),
+    }
     if peers:
         lay16 = group_rows(ids, cfg.num_experts, 16)
         x16 = x[(lay16.src_slot.long().clamp(min=0) // cfg.top_k)]
@@ -127,8 +134,12 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
                 rec[f"{name}_error"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"
     times = _interleaved(graphs, iters)
     floor = fp4_floor_us(cfg.hidden_size, cfg.intermediate_size, rec["active_experts"], bw)
-    rec.update({f"{k}_us": v for k, v in times.items()}, floor_us=floor,
-               x_floor=times["ours_kernels"] / floor, floor_plus_us=times["ours_kernels"] - floor)
+    rec.update(
+        {f"{k}_us": v for k, v in times.items()},
+        floor_us=floor,
+        x_floor=times["ours_kernels"] / floor,
+        floor_plus_us=times["ours_kernels"] - floor,
+    )
     for k in ("torch_fp8", "torch_bf16"):
         if k in times:
             rec[f"speedup_vs_{k}"] = times[k] / times["ours_kernels"]
@@ -155,9 +166,13 @@ def main(argv=None) -> int:
             r = bench_point(model, t, args.ep, bw, args.iters, not args.no_peers)
             recs.append(r)
             print(json.dumps(r), flush=True)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "copy_tb_s": bw / 1e12,
-            "method": "CUDA-graph replay, cold L2 (4x L2 overwritten before each replay), median, variants interleaved"}
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "copy_tb_s": bw / 1e12,
+        "method": "CUDA-graph replay, cold L2 (4x L2 overwritten before each replay), median, variants interleaved",
+    }
     try:
         from importlib.metadata import version
 
@@ -167,18 +182,24 @@ def main(argv=None) -> int:
 
         meta["cutlass_dsl"] = getattr(cutlass, "__version__", "unknown")
     (out / "sm90_grouped.json").write_text(json.dumps({"meta": meta, "records": recs}, indent=2))
-    head = ("| model | T | N tile | active | floor µs | W1+W2 µs | × floor | layer µs | torch FP8 µs | torch BF16 µs |"
-            " vs FP8 | vs BF16 |")
+    head = (
+        "| model | T | N tile | active | floor µs | W1+W2 µs | × floor | layer µs | torch FP8 µs | torch BF16 µs |"
+        " vs FP8 | vs BF16 |"
+    )
     rows = [head, "|" + " --- |" * 12]
     for r in recs:
-        f = lambda k: f"{r[k]:.1f}" if k in r else "–"  # noqa: E731
-        s = lambda k: f"{r[k]:.2f}×" if k in r else "–"  # noqa: E731
-        rows.append(f"| {r['model']} | {r['tokens']} | {r['n_tile']} | {r['active_experts']} | {r['floor_us']:.1f} | "
-                    f"{r['ours_kernels_us']:.1f} | {r['x_floor']:.2f} | {f('ours_layer_us')} | {f('torch_fp8_us')} | "
-                    f"{f('torch_bf16_us')} | {s('speedup_vs_torch_fp8')} | {s('speedup_vs_torch_bf16')} |")
-    md = (f"# sm90 grouped FP8×MXFP4 GEMMs — {meta['device']}, {meta['date']}\n\n"
-          f"torch {meta['torch']}, cutlass-dsl {meta['cutlass_dsl']}, copy bandwidth {meta['copy_tb_s']:.2f} TB/s; "
-          f"{meta['method']}. EP={args.ep} rank slices, uniform routing.\n\n" + "\n".join(rows) + "\n")
+        f = lambda k: f"{r[k]:.1f}" if k in r else "–"
+        s = lambda k: f"{r[k]:.2f}×" if k in r else "–"
+        rows.append(
+            f"| {r['model']} | {r['tokens']} | {r['n_tile']} | {r['active_experts']} | {r['floor_us']:.1f} | "
+            f"{r['ours_kernels_us']:.1f} | {r['x_floor']:.2f} | {f('ours_layer_us')} | {f('torch_fp8_us')} | "
+            f"{f('torch_bf16_us')} | {s('speedup_vs_torch_fp8')} | {s('speedup_vs_torch_bf16')} |"
+        )
+    md = (
+        f"# sm90 grouped FP8×MXFP4 GEMMs — {meta['device']}, {meta['date']}\n\n"
+        f"torch {meta['torch']}, cutlass-dsl {meta['cutlass_dsl']}, copy bandwidth {meta['copy_tb_s']:.2f} TB/s; "
+        f"{meta['method']}. EP={args.ep} rank slices, uniform routing.\n\n" + "\n".join(rows) + "\n"
+    )
     (out / "sm90_grouped.md").write_text(md)
     print(md)
     return 0

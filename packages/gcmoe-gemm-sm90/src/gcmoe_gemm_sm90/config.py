@@ -1,9 +1,9 @@
 """Kernel configurations of the sm90 grouped GEMMs and the choice among them.
 
-    n_tile     tokens per WGMMA N tile (8, 16 or 32): an expert with more tokens runs several N tiles, each
-               re-reading its weights; the activation rows of every expert are padded to a multiple of n_tile
-    stages     shared-memory stages of the activation (B) TMA pipeline, one 128-K window each
-    prefetch   128-K windows of weights each thread keeps in flight in registers (2 or 4; divides K/128)
+n_tile     tokens per WGMMA N tile (8, 16 or 32): an expert with more tokens runs several N tiles, each
+           re-reading its weights; the activation rows of every expert are padded to a multiple of n_tile
+stages     shared-memory stages of the activation (B) TMA pipeline, one 128-K window each
+prefetch   128-K windows of weights each thread keeps in flight in registers (2 or 4; divides K/128)
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ scatter), one expert per grid column, register-A WGMMA with the FP4 -> E4M3 deco
 Threads: 2 warpgroups; warpgroup j owns rows [128 j, 128 j + 128) of the tile as 2 WGMMA subtiles of 64 rows. Each
 thread streams its own weight fragments with 16-byte loads `prefetch` windows ahead (weights never pass through shared
 memory), decodes them in registers (decode_ptx, per-group LUT from shared memory), and issues m64nNk32 WGMMAs with A
-from registers and B (tokens) from shared memory. Activations arrive by TMA, one 128-K window per stage; thread 0 is
-the producer. Each window's WGMMAs accumulate into a window accumulator that is then promoted into the main
+from registers and B (tokens) from shared memory. Activations arrive by TMA, one 128-K window per stage; warp 0 is
+the producer (the whole warp: the pipeline's arrive and the TMA issue elect one lane with elect.sync, which hangs if
+only one lane runs it). Each window's WGMMAs accumulate into a window accumulator that is then promoted into the main
 accumulator with the window's weight base scale and the tokens' activation scales (two-level FP32 accumulation).
 
 Inputs (see ops.py for how they are made):
@@ -58,12 +59,23 @@ def decode8(word, lut_lo, lut_hi, *, loc=None, ip=None):
     i32 = T.i32()
     res = llvm.inline_asm(
         llvm.StructType.get_literal([i32, i32]),
-        [Int32(word).ir_value(loc=loc, ip=ip), Int32(lut_lo).ir_value(loc=loc, ip=ip),
-         Int32(lut_hi).ir_value(loc=loc, ip=ip)],
-        DECODE8_PTX, "=r,=r,r,r,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return (Int32(llvm.extractvalue(i32, res, [0], loc=loc, ip=ip)),
-            Int32(llvm.extractvalue(i32, res, [1], loc=loc, ip=ip)))
+        [
+            Int32(word).ir_value(loc=loc, ip=ip),
+            Int32(lut_lo).ir_value(loc=loc, ip=ip),
+            Int32(lut_hi).ir_value(loc=loc, ip=ip),
+        ],
+        DECODE8_PTX,
+        "=r,=r,r,r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return (
+        Int32(llvm.extractvalue(i32, res, [0], loc=loc, ip=ip)),
+        Int32(llvm.extractvalue(i32, res, [1], loc=loc, ip=ip)),
+    )
 
 
 @dsl_user_op
@@ -83,7 +95,13 @@ def cvt_e4m3x2(hi, lo, *, loc=None, ip=None):
         T.i32(),
         [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
         "{\n.reg .b16 h;\ncvt.rn.satfinite.e4m3x2.f32 h, $1, $2;\ncvt.u32.u16 $0, h;\n}",
-        "=r,f,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+        "=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
     return Int32(res)
 
 
@@ -102,18 +120,38 @@ class GroupedGemmSm90:
         self.prefetch = cfg.prefetch
 
     @cute.jit
-    def __call__(self, wq: cute.Tensor, ws: cute.Tensor, x: cute.Tensor, sxT: cute.Tensor, offs: cute.Tensor,
-                 cnt: cute.Tensor, lut: cute.Tensor, ep_a: cute.Tensor, ep_b: cute.Tensor, ep_c: cute.Tensor,
-                 num_experts: Int32, stream: cuda.CUstream):
+    def __call__(
+        self,
+        wq: cute.Tensor,
+        ws: cute.Tensor,
+        x: cute.Tensor,
+        sxT: cute.Tensor,
+        offs: cute.Tensor,
+        cnt: cute.Tensor,
+        lut: cute.Tensor,
+        ep_a: cute.Tensor,
+        ep_b: cute.Tensor,
+        ep_c: cute.Tensor,
+        num_experts: Int32,
+        stream: cuda.CUstream,
+    ):
         f8 = cutlass.Float8E4M3FN
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            f8, f8, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32, (1, 1, 1),
-            (64, self.n), warpgroup.OperandSource.RMEM)
+            f8,
+            f8,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            (1, 1, 1),
+            (64, self.n),
+            warpgroup.OperandSource.RMEM,
+        )
         b_layout = utils.LayoutEnum.from_tensor(x)
         b_smem_staged = sm90_utils.make_smem_layout_b(b_layout, (64, self.n, WINDOW_K), f8, self.stages)
         b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
-        tma_atom, tma_x = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), x, b_smem_one,
-                                                      (self.n, WINDOW_K))
+        tma_atom, tma_x = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), x, b_smem_one, (self.n, WINDOW_K)
+        )
 
         @cute.struct
         class Shared:
@@ -123,15 +161,27 @@ class GroupedGemmSm90:
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
 
         self.shared = Shared
-        self.kernel(wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, tiled_mma,
-                    b_smem_staged).launch(grid=[self.m_tiles, num_experts, 1], block=[THREADS, 1, 1],
-                                          smem=Shared.size_in_bytes(), stream=stream)
+        self.kernel(wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, tiled_mma, b_smem_staged).launch(
+            grid=[self.m_tiles, num_experts, 1], block=[THREADS, 1, 1], smem=Shared.size_in_bytes(), stream=stream
+        )
 
     @cute.kernel
-    def kernel(self, wq: cute.Tensor, ws: cute.Tensor, tma_atom: cute.CopyAtom, tma_x: cute.Tensor,
-               sxT: cute.Tensor, offs: cute.Tensor, cnt: cute.Tensor, lut: cute.Tensor, ep_a: cute.Tensor,
-               ep_b: cute.Tensor, ep_c: cute.Tensor, tiled_mma: cute.TiledMma,
-               b_smem_staged: cute.ComposedLayout):
+    def kernel(
+        self,
+        wq: cute.Tensor,
+        ws: cute.Tensor,
+        tma_atom: cute.CopyAtom,
+        tma_x: cute.Tensor,
+        sxT: cute.Tensor,
+        offs: cute.Tensor,
+        cnt: cute.Tensor,
+        lut: cute.Tensor,
+        ep_a: cute.Tensor,
+        ep_b: cute.Tensor,
+        ep_c: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        b_smem_staged: cute.ComposedLayout,
+    ):
         n_tile, nw, depth = self.n, self.windows, self.prefetch
         tidx, _, _ = cute.arch.thread_idx()
         mt, e, _ = cute.arch.block_idx()
@@ -160,16 +210,20 @@ class GroupedGemmSm90:
 
         b_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(b_smem_staged, (None, None, 0)))
         pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=st.mbar.data_ptr(), num_stages=self.stages,
+            barrier_storage=st.mbar.data_ptr(),
+            num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-            tx_count=b_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+            tx_count=b_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
         cute.arch.barrier()
 
         # TMA partitions of the activation rows: (N, 128) boxes at (row tile, window)
         gX = cute.local_tile(tma_x, (n_tile, WINDOW_K), (None, None))
-        tXsX, tXgX = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                           cute.group_modes(gX, 0, 2))
+        tXsX, tXgX = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gX, 0, 2)
+        )
         thr_mma = tiled_mma.get_slice(tw)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))  # (MMA, 1, 4 k32, stages)
         a_shape = thr_mma.partition_shape_A((64, WINDOW_K))
@@ -202,14 +256,18 @@ class GroupedGemmSm90:
         prev = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         issued = Int32(0)
         tile_row0 = row_base // n_tile
-        if tidx == 0:
+        if warp_idx == 0:  # the whole warp: the pipeline's arrive and the TMA issue elect one lane themselves
             for _ in cutlass.range_constexpr(self.stages - 1):
                 if issued < total:
                     pipe.producer_acquire(prod)
                     it_t = issued // nw
                     it_w = issued - it_t * nw
-                    cute.copy(tma_atom, tXgX[(None, tile_row0 + it_t, it_w)], tXsX[(None, prod.index)],
-                              tma_bar_ptr=pipe.producer_get_barrier(prod))
+                    cute.copy(
+                        tma_atom,
+                        tXgX[(None, tile_row0 + it_t, it_w)],
+                        tXsX[(None, prod.index)],
+                        tma_bar_ptr=pipe.producer_get_barrier(prod),
+                    )
                     pipe.producer_commit(prod)
                     prod.advance()
                     issued += 1
@@ -227,13 +285,17 @@ class GroupedGemmSm90:
                     if w > 0:
                         warpgroup.wait_group(0)
                         pipe.consumer_release(prev)
-                        if tidx == 0:
+                        if warp_idx == 0:
                             if issued < total:
                                 pipe.producer_acquire(prod)
                                 it_t = issued // nw
                                 it_w = issued - it_t * nw
-                                cute.copy(tma_atom, tXgX[(None, tile_row0 + it_t, it_w)], tXsX[(None, prod.index)],
-                                          tma_bar_ptr=pipe.producer_get_barrier(prod))
+                                cute.copy(
+                                    tma_atom,
+                                    tXgX[(None, tile_row0 + it_t, it_w)],
+                                    tXsX[(None, prod.index)],
+                                    tma_bar_ptr=pipe.producer_get_barrier(prod),
+                                )
                                 pipe.producer_commit(prod)
                                 prod.advance()
                                 issued += 1
@@ -269,40 +331,65 @@ class GroupedGemmSm90:
                     warpgroup.fence()
                     for kb in cutlass.range_constexpr(4):
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                        cute.gemm(tiled_mma, accw0, frag0[(None, None, kb)], tCrB[(None, None, kb, cons.index)],
-                                  accw0)
+                        cute.gemm(tiled_mma, accw0, frag0[(None, None, kb)], tCrB[(None, None, kb, cons.index)], accw0)
                     for kb in cutlass.range_constexpr(4):
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                        cute.gemm(tiled_mma, accw1, frag1[(None, None, kb)], tCrB[(None, None, kb, cons.index)],
-                                  accw1)
+                        cute.gemm(tiled_mma, accw1, frag1[(None, None, kb)], tCrB[(None, None, kb, cons.index)], accw1)
                     warpgroup.commit_group()
                     prev = cons.clone()
                     cons.advance()
             # drain the tile: last window's MMAs, release its stage, promote
             warpgroup.wait_group(0)
             pipe.consumer_release(prev)
-            if tidx == 0:
+            if warp_idx == 0:
                 if issued < total:
                     pipe.producer_acquire(prod)
                     it_t = issued // nw
                     it_w = issued - it_t * nw
-                    cute.copy(tma_atom, tXgX[(None, tile_row0 + it_t, it_w)], tXsX[(None, prod.index)],
-                              tma_bar_ptr=pipe.producer_get_barrier(prod))
+                    cute.copy(
+                        tma_atom,
+                        tXgX[(None, tile_row0 + it_t, it_w)],
+                        tXsX[(None, prod.index)],
+                        tma_bar_ptr=pipe.producer_get_barrier(prod),
+                    )
                     pipe.producer_commit(prod)
                     prod.advance()
                     issued += 1
             self.promote(acc0, accw0, prev_rs, prev_sx, 0)
             self.promote(acc1, accw1, prev_rs, prev_sx, 1)
             if cutlass.const_expr(self.is_w1):
-                self.epilogue_w1(acc0, acc1, sred, ep_a, ep_b, ep_c, mt, wg, wwarp, g, t0, lane,
-                                 row_base + col_base, count - col_base)
+                self.epilogue_w1(
+                    acc0,
+                    acc1,
+                    sred,
+                    ep_a,
+                    ep_b,
+                    ep_c,
+                    mt,
+                    wg,
+                    wwarp,
+                    g,
+                    t0,
+                    lane,
+                    row_base + col_base,
+                    count - col_base,
+                )
             else:
-                self.epilogue_w2(acc0, acc1, ep_a, ep_b, mt, wg, wwarp, g, t0, row_base + col_base,
-                                 count - col_base)
+                self.epilogue_w2(acc0, acc1, ep_a, ep_b, mt, wg, wwarp, g, t0, row_base + col_base, count - col_base)
 
     @cute.jit
-    def load_window(self, wq: cute.Tensor, ws: cute.Tensor, abuf: cute.Tensor, sbuf: cute.Tensor, blk: Int32,
-                    wg: Int32, tw: Int32, srow0: Int32, slot: cutlass.Constexpr):
+    def load_window(
+        self,
+        wq: cute.Tensor,
+        ws: cute.Tensor,
+        abuf: cute.Tensor,
+        sbuf: cute.Tensor,
+        blk: Int32,
+        wg: Int32,
+        tw: Int32,
+        srow0: Int32,
+        slot: cutlass.Constexpr,
+    ):
         for s in cutlass.range_constexpr(2):
             for h in cutlass.range_constexpr(2):
                 cute.autovec_copy(wq[blk * 8 + wg * 4 + s * 2 + h, tw, None], abuf[None, h, s, slot])
@@ -310,16 +397,29 @@ class GroupedGemmSm90:
                 sbuf[u, s, slot] = ws[blk, srow0 + 64 * s + 8 * u]
 
     @cute.jit
-    def promote(self, acc: cute.Tensor, accw: cute.Tensor, rs: cute.Tensor, sx: cute.Tensor,
-                s: cutlass.Constexpr):
+    def promote(self, acc: cute.Tensor, accw: cute.Tensor, rs: cute.Tensor, sx: cute.Tensor, s: cutlass.Constexpr):
         for i in cutlass.range_constexpr(cute.size(acc)):
             v0, v1, q = i % 2, (i // 2) % 2, i // 4
             acc[i] = acc[i] + accw[i] * (rs[v1, s] * sx[v0 + 2 * q])
 
     @cute.jit
-    def epilogue_w1(self, acc0: cute.Tensor, acc1: cute.Tensor, sred: cute.Tensor, rw: cute.Tensor,
-                    hq: cute.Tensor, hsT: cute.Tensor, mt: Int32, wg: Int32, wwarp: Int32, g: Int32, t0: Int32,
-                    lane: Int32, row0: Int32, valid: Int32):
+    def epilogue_w1(
+        self,
+        acc0: cute.Tensor,
+        acc1: cute.Tensor,
+        sred: cute.Tensor,
+        rw: cute.Tensor,
+        hq: cute.Tensor,
+        hsT: cute.Tensor,
+        mt: Int32,
+        wg: Int32,
+        wwarp: Int32,
+        g: Int32,
+        t0: Int32,
+        lane: Int32,
+        row0: Int32,
+        valid: Int32,
+    ):
         """h = silu(gate) * up * rw per (token, intermediate column); FP8 per token per the tile's 128 columns."""
         ncol = self.n // 4
         h0 = cute.make_rmem_tensor(ncol, Float32)
@@ -371,8 +471,20 @@ class GroupedGemmSm90:
         cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
 
     @cute.jit
-    def epilogue_w2(self, acc0: cute.Tensor, acc1: cute.Tensor, dst: cute.Tensor, out: cute.Tensor, mt: Int32,
-                    wg: Int32, wwarp: Int32, g: Int32, t0: Int32, row0: Int32, valid: Int32):
+    def epilogue_w2(
+        self,
+        acc0: cute.Tensor,
+        acc1: cute.Tensor,
+        dst: cute.Tensor,
+        out: cute.Tensor,
+        mt: Int32,
+        wg: Int32,
+        wwarp: Int32,
+        g: Int32,
+        t0: Int32,
+        row0: Int32,
+        valid: Int32,
+    ):
         """out[dst[row], m] = bf16(acc) for the tile's 256 output columns m."""
         m_base = 256 * mt + 128 * wg + 16 * wwarp + g
         for i in cutlass.range_constexpr(self.n // 2):
@@ -406,5 +518,20 @@ def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
         ep_b = make_fake_compact_tensor(cutlass.BFloat16, (dyn(), m), stride_order=(1, 0), assumed_align=16)
         ep_c = make_fake_compact_tensor(Float32, (1,), assumed_align=4)  # unused
     kern = GroupedGemmSm90(mode, m, k, cfg)
-    return compile_kernel(kern, wq, ws, x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, Int32(1),
-                          crt.make_fake_stream(), arch=arch, name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}")
+    return compile_kernel(
+        kern,
+        wq,
+        ws,
+        x,
+        sxT,
+        offs,
+        cnt,
+        lut,
+        ep_a,
+        ep_b,
+        ep_c,
+        Int32(1),
+        crt.make_fake_stream(),
+        arch=arch,
+        name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}",
+    )

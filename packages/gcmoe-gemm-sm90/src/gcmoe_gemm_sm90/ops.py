@@ -107,9 +107,20 @@ def _launch(mode: str, packed: PackedSm90, x_rows, sxT, layout: RowLayout, ep_a,
     wq = packed.data.view(torch.int32).view(-1, 128, 4)
     ws = packed.scales.view(-1, 256)
     lut = _lut(dev)
-    kern(_cute(wq, 0, 16), _cute(ws, 0, 16), _cute(x_rows, 0, 16, fp8=True), _cute(sxT, 1, 16),
-         _cute(layout.offsets, 0, 4), _cute(layout.counts, 0, 4), _cute(lut, None, 16), ep_a, ep_b, ep_c,
-         e, cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
+    kern(
+        _cute(wq, 0, 16),
+        _cute(ws, 0, 16),
+        _cute(x_rows, 0, 16, fp8=True),
+        _cute(sxT, 1, 16),
+        _cute(layout.offsets, 0, 4),
+        _cute(layout.counts, 0, 4),
+        _cute(lut, None, 16),
+        ep_a,
+        ep_b,
+        ep_c,
+        e,
+        cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
+    )
 
 
 _LUTS: dict[torch.device, torch.Tensor] = {}
@@ -127,17 +138,18 @@ def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config
     dev = acts.x_rows.device
     hq = torch.empty(rows, inter, dtype=torch.uint8, device=dev)
     hsT = torch.empty(packed.m // TILE_M, rows, dtype=torch.float32, device=dev)
-    _launch("w1", packed, acts.x_rows, acts.sxT, layout, _cute(acts.route_w, 0, 4), _cute(hq, 0, 16),
-            _cute(hsT, 1, 4), cfg)
+    _launch(
+        "w1", packed, acts.x_rows, acts.sxT, layout, _cute(acts.route_w, 0, 4), _cute(hq, 0, 16), _cute(hsT, 1, 4), cfg
+    )
     return hq, hsT
 
 
-def w2(packed: PackedSm90, hq: torch.Tensor, hsT: torch.Tensor, layout: RowLayout, out: torch.Tensor,
-       cfg: Sm90Config) -> torch.Tensor:
+def w2(
+    packed: PackedSm90, hq: torch.Tensor, hsT: torch.Tensor, layout: RowLayout, out: torch.Tensor, cfg: Sm90Config
+) -> torch.Tensor:
     """out[slot, :] = W2_e h[row] for every valid row (slot = the row's (token, slot) index); bf16 [T*k, H]."""
     dummy = torch.empty(1, dtype=torch.float32, device=hq.device)
-    _launch("w2", packed, hq, hsT, layout, _cute(layout.src_slot, 0, 4), _cute(out, 0, 16),
-            _cute(dummy, None, 4), cfg)
+    _launch("w2", packed, hq, hsT, layout, _cute(layout.src_slot, 0, 4), _cute(out, 0, 16), _cute(dummy, None, 4), cfg)
     return out
 
 
@@ -149,10 +161,12 @@ class MoESm90:
             raise ValueError("MoESm90: the sm90 kernels take MXFP4 weights (quant='fp8_mxfp4')")
         w13, w2_ = weights.w13, weights.w2
         if weights.num_shared:
-            w13 = MXFP4Tensor(torch.cat((w13.packed, weights.shared_w13.packed)),
-                              torch.cat((w13.scale, weights.shared_w13.scale)))
-            w2_ = MXFP4Tensor(torch.cat((w2_.packed, weights.shared_w2.packed)),
-                              torch.cat((w2_.scale, weights.shared_w2.scale)))
+            w13 = MXFP4Tensor(
+                torch.cat((w13.packed, weights.shared_w13.packed)), torch.cat((w13.scale, weights.shared_w13.scale))
+            )
+            w2_ = MXFP4Tensor(
+                torch.cat((w2_.packed, weights.shared_w2.packed)), torch.cat((w2_.scale, weights.shared_w2.scale))
+            )
         self.num_routed = weights.num_experts
         self.num_shared = weights.num_shared
         e, two_i, h = w13.shape
@@ -171,13 +185,15 @@ class MoESm90:
             cfg = Sm90Config(cfg.n_tile, cfg.stages, 2)
         return cfg
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                emulate: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, emulate: bool = False
+    ) -> torch.Tensor:
         """y [T, H] bf16. emulate=True runs the same pipeline with torch models of the two kernels (any device)."""
         t, k = topk_ids.shape
         if self.num_shared:
-            shared = torch.arange(self.num_routed, self.num_routed + self.num_shared, device=x.device,
-                                  dtype=topk_ids.dtype).expand(t, self.num_shared)
+            shared = torch.arange(
+                self.num_routed, self.num_routed + self.num_shared, device=x.device, dtype=topk_ids.dtype
+            ).expand(t, self.num_shared)
             topk_ids = torch.cat((topk_ids, shared), dim=1)
             topk_weights = torch.cat((topk_weights, torch.ones(t, self.num_shared, device=x.device)), dim=1)
         slots = topk_ids.shape[1]

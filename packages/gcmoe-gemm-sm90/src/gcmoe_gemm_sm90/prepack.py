@@ -177,8 +177,11 @@ def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
             step = 2 * half + si
             for u in range(2):
                 wv = word[:, :, :, :, :, half, :, 2 * si + u]  # [E, MT, W, j, s, tw]
-                cta_row = (torch.arange(2).view(2, 1, 1) * 128 + torch.arange(2).view(1, 2, 1) * 64
-                           + (r0 + 8 * u).view(1, 1, 128)).to(p.data.device)  # [j, s, tw]
+                cta_row = (
+                    torch.arange(2).view(2, 1, 1) * 128
+                    + torch.arange(2).view(1, 2, 1) * 64
+                    + (r0 + 8 * u).view(1, 1, 128)
+                ).to(p.data.device)  # [j, s, tw]
                 rr = rec[:, :, :, cta_row]  # [E, MT, W, j, s, tw]
                 base = rr & 0xFF
                 dd = (rr >> (16 + 4 * step)) & 0xF
