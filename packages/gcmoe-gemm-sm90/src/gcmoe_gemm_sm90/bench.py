@@ -143,8 +143,6 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
     for k in ("torch_fp8", "torch_bf16"):
         if k in times:
             rec[f"speedup_vs_{k}"] = times[k] / times["ours_kernels"]
-    del graphs, moe, weights
-    torch.cuda.empty_cache()
     return rec
 
 
@@ -164,6 +162,7 @@ def main(argv=None) -> int:
     for model in args.models:
         for t in args.tokens:
             r = bench_point(model, t, args.ep, bw, args.iters, not args.no_peers)
+            torch.cuda.empty_cache()  # the point's weights and graphs are gone with its frame
             recs.append(r)
             print(json.dumps(r), flush=True)
     meta = {
@@ -188,8 +187,8 @@ def main(argv=None) -> int:
     )
     rows = [head, "|" + " --- |" * 12]
     for r in recs:
-        f = lambda k: f"{r[k]:.1f}" if k in r else "–"
-        s = lambda k: f"{r[k]:.2f}×" if k in r else "–"
+        f = lambda k, r=r: f"{r[k]:.1f}" if k in r else "–"
+        s = lambda k, r=r: f"{r[k]:.2f}×" if k in r else "–"
         rows.append(
             f"| {r['model']} | {r['tokens']} | {r['n_tile']} | {r['active_experts']} | {r['floor_us']:.1f} | "
             f"{r['ours_kernels_us']:.1f} | {r['x_floor']:.2f} | {f('ours_layer_us')} | {f('torch_fp8_us')} | "
