@@ -25,7 +25,7 @@ run_step() {
     bench)    python3 -m gcmoe.cli bench --tokens 1 8 32 --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log"
               return "${PIPESTATUS[0]}" ;;
     smoke)    timeout 150 python3 tools/gpu/sm90_smoke.py --timeout 120 ;;
-    sm90)     timeout 400 python3 -m pytest packages/gcmoe-gemm-sm90 -m "sm90 or compile" -rs -q -p no:cacheprovider \
+    sm90)     timeout 200 python3 -m pytest packages/gcmoe-gemm-sm90 -m "sm90 or compile" -rs -q -p no:cacheprovider \
                 -p timeout --timeout=120 --timeout-method=thread 2>&1 | tee "$OUT/sm90-tests.log"; return "${PIPESTATUS[0]}" ;;
     sm90bench) python3 -m gcmoe_gemm_sm90.bench --out "$OUT" ${SM90_BENCH_ARGS:-} 2>&1 | tail -40; return "${PIPESTATUS[0]}" ;;
     all)      for s in info tests greenctx bench sm90bench; do run_step "$s" || rc=1; done ;;

@@ -135,15 +135,15 @@ class MoEConfig:
         """The routed experts one rank holds under EP = ep, as a world-size-1 layer (E/ep experts, every token routed
         among them): the per-rank compute of the GEMM benchmarks."""
         full = cls.from_model(name, ep_size=ep)
-        return cls(
-            full.hidden_size,
-            full.intermediate_size,
-            full.local_experts,
-            full.top_k,
-            full.num_shared_experts,
-            1,
-            **overrides,
-        )
+        fields = {
+            "hidden_size": full.hidden_size,
+            "intermediate_size": full.intermediate_size,
+            "num_experts": full.local_experts,
+            "top_k": full.top_k,
+            "num_shared_experts": full.num_shared_experts,
+            "ep_size": 1,
+        }
+        return cls(**{**fields, **overrides})
 
 
 def _check_tensor(arg: str, t, dtypes: tuple[torch.dtype, ...], shape: tuple[int | None, ...]) -> None:

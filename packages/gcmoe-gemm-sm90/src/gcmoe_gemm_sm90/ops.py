@@ -102,8 +102,18 @@ def _launch(mode: str, packed: PackedSm90, x_rows, sxT, layout: RowLayout, ep_a,
     from .kernel_grouped import compiled
 
     dev = x_rows.device
-    kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
     e = packed.experts
+    if layout.counts.numel() != e or layout.offsets.numel() != e + 1 or layout.n_tile != cfg.n_tile:
+        raise ValueError(
+            f"sm90 {mode}: row layout for {layout.counts.numel()} experts / n_tile {layout.n_tile} does "
+            f"not match {e} prepacked experts / n_tile {cfg.n_tile}"
+        )
+    if x_rows.shape != (layout.rows, packed.k) or x_rows.dtype != torch.uint8:
+        raise ValueError(
+            f"sm90 {mode}: activation rows {tuple(x_rows.shape)} {x_rows.dtype} != "
+            f"({layout.rows}, {packed.k}) uint8 (FP8 bits)"
+        )
+    kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
     wq = packed.data.view(torch.int32).view(-1, 128, 4)
     ws = packed.scales.view(-1, 256)
     lut = _lut(dev)
