@@ -20,6 +20,7 @@ class Sm90Config:
     n_tile: int = 8
     stages: int = 4
     prefetch: int = 4
+    occupancy: int = 1
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:
@@ -28,6 +29,8 @@ class Sm90Config:
             raise ValueError(f"Sm90Config: stages must be in 2..8, got {self.stages}")
         if self.prefetch not in (2, 4):
             raise ValueError(f"Sm90Config: prefetch must be 2 or 4, got {self.prefetch}")
+        if self.occupancy not in (1, 2):
+            raise ValueError(f"Sm90Config: occupancy must be 1 or 2, got {self.occupancy}")
 
 
 def choose_config(tokens_per_rank: int, top_k: int, num_experts: int) -> Sm90Config:
@@ -35,7 +38,8 @@ def choose_config(tokens_per_rank: int, top_k: int, num_experts: int) -> Sm90Con
     expected = max(1, tokens_per_rank * top_k // max(1, num_experts))
     want = 2 * expected
     n_tile = next((n for n in N_TILES if n >= want), N_TILES[-1])
-    return Sm90Config(n_tile=n_tile, stages=4, prefetch=4 if n_tile <= 16 else 2)
+    # n_tile <= 16 with 2 windows of prefetch fits 128 registers: two CTAs per SM (16 warps to hide latency)
+    return Sm90Config(n_tile=n_tile, stages=4, prefetch=2, occupancy=2 if n_tile <= 16 else 1)
 
 
 def can_implement(m: int, k: int, num_experts: int, cfg: Sm90Config, k_min: int = WINDOW_K) -> str | None:
