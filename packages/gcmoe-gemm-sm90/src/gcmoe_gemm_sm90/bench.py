@@ -5,6 +5,7 @@ token count, side by side in one run with the FP4 floor and the torch peers doin
 
 Per point (CUDA-graph replay, cold L2, medians; variants interleaved A B C A B C):
     ours_kernels   our W1 + W2 launches on prepared rows (what the operator's compute node runs)
+                   (ours are CUDA-graph replays; the torch peers are launched eagerly, see bench_point)
     ours_layer     + routing metadata, FP8 quantisation of x, and the slot combine (the whole torch-visible layer)
     torch_fp8      torch._scaled_grouped_mm (FP8 rowwise) W1, SwiGLU + routing weight in torch, FP8 requant, W2
     torch_bf16     torch._grouped_mm (BF16) for the same
@@ -45,6 +46,7 @@ def _graph(fn):
 
 
 def _interleaved(graphs: dict, iters: int) -> dict:
+    """graphs: name -> CUDAGraph (replayed) or a plain callable (launched eagerly)."""
     flush = ColdL2(torch.device("cuda"))
     times: dict[str, list[float]] = {k: [] for k in graphs}
     for _ in range(iters):
@@ -52,7 +54,7 @@ def _interleaved(graphs: dict, iters: int) -> dict:
             flush()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            g.replay()
+            g.replay() if isinstance(g, torch.cuda.CUDAGraph) else g()
             b.record()
             b.synchronize()
             times[name].append(a.elapsed_time(b) * 1e3)
@@ -134,7 +136,12 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
         for name, fp8 in (("torch_fp8", True), ("torch_bf16", False)):
             try:
                 peer = TorchPeer(cfg, fp8)
-                graphs[name] = _graph(lambda p=peer: p(x16, offs_end, rw16))
+                fn = lambda p=peer: p(x16, offs_end, rw16)
+                fn()
+                torch.cuda.synchronize()
+                # eager: replaying torch's grouped GEMMs from a CUDA graph hit an illegal address on torch 2.11
+                # (2026-11-29, H200), while the same calls run eagerly (tools/gpu/peer_probe.py)
+                graphs[name] = fn
             except Exception as ex:  # a peer this torch build cannot run is reported, not hidden
                 rec[f"{name}_error"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"
     times = _interleaved(graphs, iters)

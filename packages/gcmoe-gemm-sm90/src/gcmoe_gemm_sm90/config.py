@@ -38,8 +38,11 @@ def choose_config(tokens_per_rank: int, top_k: int, num_experts: int) -> Sm90Con
     expected = max(1, tokens_per_rank * top_k // max(1, num_experts))
     want = 2 * expected
     n_tile = next((n for n in N_TILES if n >= want), N_TILES[-1])
-    # n_tile <= 16 with 2 windows of prefetch fits 128 registers: two CTAs per SM (16 warps to hide latency)
-    return Sm90Config(n_tile=n_tile, stages=4, prefetch=2, occupancy=2 if n_tile <= 16 else 1)
+    # n_tile <= 16 with 2 windows of prefetch fits 128 registers: two CTAs per SM (16 warps to hide latency);
+    # n_tile 32 needs ~250 registers: one CTA per SM, 4 windows in flight (both measured on the H200, 2026-11-29)
+    if n_tile <= 16:
+        return Sm90Config(n_tile=n_tile, stages=4, prefetch=2, occupancy=2)
+    return Sm90Config(n_tile=n_tile, stages=4, prefetch=4, occupancy=1)
 
 
 def can_implement(m: int, k: int, num_experts: int, cfg: Sm90Config, k_min: int = WINDOW_K) -> str | None:
