@@ -21,7 +21,7 @@ cfg = MoEConfig(hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, 
 ok = True
 for n_tile in (8, 16, 32):
     x, ids, w, weights, _ = make_problem(Case(cfg, 21, "uniform", seed=n_tile), device="cuda")
-    y = MoESm90(weights, Sm90Config(n_tile, 3, 2)).forward(x, ids, w)
+    y = MoESm90.from_weights(weights, Sm90Config(n_tile, 3, 2)).forward(x, ids, w)
     torch.cuda.synchronize()
     d = calc_diff(y, moe_reference(x, ids, w, weights))
     print(

@@ -29,7 +29,7 @@ def test_w1_then_w2_match_models(n_tile, routing):
     cfg = Sm90Config(n_tile=n_tile, stages=3, prefetch=2)
     routed = SMALL.replace(num_shared_experts=0)  # the kernels alone: routed experts only
     x, ids, w, weights, _ = make_problem(Case(routed, 37, routing, seed=n_tile), device="cuda")
-    moe = MoESm90(weights, cfg)
+    moe = MoESm90.from_weights(weights, cfg)
     layout = group_rows(ids, SMALL.num_experts, n_tile)
     acts = prepare_activations(x, w, layout, SMALL.top_k)
     valid = layout.src_slot >= 0
@@ -55,21 +55,21 @@ def test_layer_vs_reference_on_model_shapes(model, tokens):
     x = torch.randn(tokens, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
     ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, "uniform", g)
     ids, w = ids.cuda(), w.cuda()
-    y = MoESm90(weights).forward(x, ids, w)
+    y = MoESm90.from_weights(weights).forward(x, ids, w)
     ref = moe_reference(x, ids, w, weights.exact_bf16(), quant="fp8_mxfp4")
     assert calc_diff(y, ref) < 1e-3
 
 
 def test_cosine_vs_bf16_path():
     x, ids, w, weights, floats = make_problem(Case(SMALL, 64, "uniform", seed=5), device="cuda")
-    y = MoESm90(weights).forward(x, ids, w)
+    y = MoESm90.from_weights(weights).forward(x, ids, w)
     yb = moe_reference(x, ids, w, MoEWeights.from_float(*floats, quant="bf16").to("cuda"))
     assert cosine(y, yb) >= 0.97
 
 
 def test_graph_replays_bitwise_identical_with_new_routing():
     x, ids, w, weights, _ = make_problem(Case(SMALL, 16, "uniform", seed=9), device="cuda")
-    moe = MoESm90(weights, Sm90Config(n_tile=16, stages=3, prefetch=2))
+    moe = MoESm90.from_weights(weights, Sm90Config(n_tile=16, stages=3, prefetch=2))
     moe.forward(x, ids, w)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

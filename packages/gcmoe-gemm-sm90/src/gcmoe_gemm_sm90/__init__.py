@@ -1,11 +1,23 @@
 """gcmoe-gemm-sm90: FP8 x MXFP4 grouped expert GEMMs for Hopper (sm_90a, CuTe DSL) and their weight prepacker.
 
-0.1.0 ships the in-register FP4 -> E4M3 decode (`kernel_decode`, the sm_90a compile smoke test); the grouped W1/W2
-kernels come next (see the package README)."""
+prepack.prepack_sm90      MXFP4 experts -> per-thread register-fragment order + windowed scales
+kernel_grouped            W1 (+ SwiGLU, routing weight, FP8 requant) and W2 (+ row scatter) grouped kernels
+ops.MoESm90               routing metadata on the GPU, activations, both launches, slot combine (capturable)
+bench                     python -m gcmoe_gemm_sm90.bench: W1+W2 vs the FP4 floor and torch's grouped GEMMs
+"""
 
 __version__ = "0.1.0"
 
 
 def kernels_missing() -> str | None:
-    """None when the grouped W1/W2 kernels are available, else what is missing (used by gcmoe's backend choice)."""
-    return "the FP8 x MXFP4 grouped W1/W2 kernels, which gcmoe-gemm-sm90 0.1.0 does not ship yet"
+    """None when the grouped W1/W2 kernels can be built here (CuTe DSL importable), else what is missing."""
+    from gcmoe_core.cutedsl import dsl_available
+
+    return dsl_available()
+
+
+def layer_missing(hidden: int, inter: int, experts: int) -> str | None:
+    """None when a layer of this shape runs on the kernels, else why not (pure Python)."""
+    from .ops import layer_missing as _missing
+
+    return _missing(hidden, inter, experts)

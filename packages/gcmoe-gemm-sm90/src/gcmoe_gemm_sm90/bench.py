@@ -99,7 +99,7 @@ class TorchPeer:
 def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: bool) -> dict:
     cfg = MoEConfig.ep_slice(model, ep, max_tokens_per_rank=max(256, tokens), num_shared_experts=0)
     weights = make_weights(cfg, seed=1, device="cuda")
-    moe = MoESm90(weights)
+    moe = MoESm90.from_weights(weights)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
     ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, "uniform", g)

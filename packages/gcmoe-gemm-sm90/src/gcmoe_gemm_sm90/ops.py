@@ -5,7 +5,7 @@ launches, and the whole routed(+shared)-expert layer built from them.
     acts   = prepare_activations(x, topk_weights, layout)        # FP8 rows, transposed scales, routing weights
     hq, hsT = w1(packed_w13, acts, layout)                       # FP8 intermediate in W2's input layout
     w2(packed_w2, hq, hsT, layout, out)                          # bf16 rows scattered to out[slot]
-    y = MoESm90(weights).forward(x, ids, w)                      # + shared experts as extra always-on experts
+    y = MoESm90.from_weights(weights).forward(x, ids, w)         # + shared experts as extra always-on experts
 
 Shared experts ride the same kernels: expert ids E..E+S-1 are appended to every token's routing with weight 1, so
 the combine (slot order: routed 0..k-1, then shared) matches gcmoe_core.reference exactly in structure.
@@ -163,10 +163,30 @@ def w2(
     return out
 
 
-class MoESm90:
-    """The routed (+ shared) experts of one rank on the sm90 kernels."""
+def layer_missing(hidden: int, inter: int, experts: int) -> str | None:
+    """None when the kernels take a layer of this shape (with any chosen config), else why not."""
+    for name, (m, k) in (("W13", (2 * inter, hidden)), ("W2", (hidden, inter))):
+        why = can_implement(m, k, experts, Sm90Config(prefetch=2))
+        if why:
+            return f"{name}: {why}"
+    return None
 
-    def __init__(self, weights: MoEWeights, cfg: Sm90Config | None = None):
+
+class MoESm90:
+    """The routed (+ shared) experts of one rank on the sm90 kernels, from prepacked weights."""
+
+    def __init__(self, w13: PackedSm90, w2: PackedSm90, num_routed: int, cfg: Sm90Config | None = None):
+        if not w13.gate_up or w2.gate_up or w13.experts != w2.experts or w13.m != 2 * w2.k or w13.k != w2.m:
+            raise ValueError("MoESm90: w13 (gate/up interleaved) and w2 prepacks do not belong to one layer")
+        self.w13, self.w2 = w13, w2
+        self.num_routed = num_routed
+        self.num_shared = w13.experts - num_routed
+        self.hidden, self.inter = w2.m, w2.k
+        self.cfg = cfg
+
+    @classmethod
+    def from_weights(cls, weights: MoEWeights, cfg: Sm90Config | None = None) -> MoESm90:
+        """Prepack MXFP4 weights (shared experts appended after the routed ones)."""
         if weights.quant != "fp8_mxfp4":
             raise ValueError("MoESm90: the sm90 kernels take MXFP4 weights (quant='fp8_mxfp4')")
         w13, w2_ = weights.w13, weights.w2
@@ -177,17 +197,22 @@ class MoESm90:
             w2_ = MXFP4Tensor(
                 torch.cat((w2_.packed, weights.shared_w2.packed)), torch.cat((w2_.scale, weights.shared_w2.scale))
             )
-        self.num_routed = weights.num_experts
-        self.num_shared = weights.num_shared
         e, two_i, h = w13.shape
-        self.hidden, self.inter = h, two_i // 2
-        self.cfg = cfg
-        for name, (m, k) in (("w13", (two_i, h)), ("w2", (h, two_i // 2))):
-            why = can_implement(m, k, e, cfg or Sm90Config(prefetch=2))
-            if why:
-                raise ValueError(f"MoESm90: {name}: {why}")
-        self.w13 = prepack_sm90(w13, gate_up=True)
-        self.w2 = prepack_sm90(w2_, gate_up=False)
+        why = layer_missing(h, two_i // 2, e)
+        if why:
+            raise ValueError(f"MoESm90: {why}")
+        return cls(prepack_sm90(w13, gate_up=True), prepack_sm90(w2_, gate_up=False), weights.num_experts, cfg)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The device tensors that carry this layer (what the torch.library op receives)."""
+        return [self.w13.data, self.w13.scales, self.w2.data, self.w2.scales]
+
+    @classmethod
+    def from_tensors(cls, tensors: list[torch.Tensor], num_routed: int) -> MoESm90:
+        d13, s13, d2, s2 = tensors
+        w13 = PackedSm90(d13, s13, d13.shape[1] * TILE_M, d13.shape[2] * WINDOW_K, True, 0)
+        w2_ = PackedSm90(d2, s2, d2.shape[1] * TILE_M, d2.shape[2] * WINDOW_K, False, 0)
+        return cls(w13, w2_, num_routed)
 
     def config_for(self, tokens: int, top_k: int) -> Sm90Config:
         cfg = self.cfg or choose_config(tokens, top_k, self.num_routed)

@@ -39,7 +39,9 @@ class BackendStatus:
         return self.missing is None
 
 
-def _kernel_backend_missing(name: str, device: torch.device, capability: tuple[int, int], module: str) -> str | None:
+def _kernel_backend_missing(
+    name: str, device: torch.device, capability: tuple[int, int], module: str, cfg=None
+) -> str | None:
     if device.type != "cuda":
         return f"a CUDA device of compute capability {capability[0]}.{capability[1]} (got {device})"
     if not torch.cuda.is_available():
@@ -51,24 +53,32 @@ def _kernel_backend_missing(name: str, device: torch.device, capability: tuple[i
         mod = __import__(module)
     except ImportError as e:
         return f"the {module} package ({e})"
-    return mod.kernels_missing()
+    missing = mod.kernels_missing()
+    if missing is None and cfg is not None:
+        why = mod.layer_missing(cfg.hidden_size, cfg.intermediate_size, cfg.local_experts + cfg.num_shared_experts)
+        if why:
+            return f"a layer shape its kernels take ({why})"
+    if missing is None and cfg is not None and cfg.quant != "fp8_mxfp4":
+        return "quant='fp8_mxfp4' (its kernels are FP8 x MXFP4)"
+    return missing
 
 
-def status(name: str, device: torch.device) -> BackendStatus:
+def status(name: str, device: torch.device, cfg=None) -> BackendStatus:
+    """Whether backend `name` runs on `device` (and, given a MoEConfig, on that layer's shapes)."""
     if name == "reference":
         return BackendStatus(name, None)
     if name == "sm90":
-        return BackendStatus(name, _kernel_backend_missing(name, device, (9, 0), "gcmoe_gemm_sm90"))
+        return BackendStatus(name, _kernel_backend_missing(name, device, (9, 0), "gcmoe_gemm_sm90", cfg))
     if name == "sm103":
-        return BackendStatus(name, _kernel_backend_missing(name, device, (10, 3), "gcmoe_gemm_sm103"))
+        return BackendStatus(name, _kernel_backend_missing(name, device, (10, 3), "gcmoe_gemm_sm103", cfg))
     raise ValueError(f"gcmoe: backend: unknown backend {name!r}; known: {', '.join(NAMES)} or 'auto'")
 
 
-def choose(device: torch.device, requested: str | None = None) -> str:
+def choose(device: torch.device, requested: str | None = None, cfg=None) -> str:
     req = requested or env.get("GCMOE_BACKEND")
     if req == "auto":
-        return next(n for n in AUTO_ORDER if status(n, device).runnable)
-    st = status(req, device)
+        return next(n for n in AUTO_ORDER if status(n, device, cfg).runnable)
+    st = status(req, device, cfg)
     if not st.runnable:
         raise BackendUnavailable(f"gcmoe: backend {req!r} cannot run on {device}: it needs {st.missing}")
     return req
@@ -94,8 +104,27 @@ class ReferenceBackend:
         return _flatten(weights.exact_bf16() if weights.quant == "fp8_mxfp4" else weights)
 
     @staticmethod
-    def forward(x, topk_ids, topk_weights, tensors: list[torch.Tensor], quant: str) -> torch.Tensor:
+    def forward(x, topk_ids, topk_weights, tensors: list[torch.Tensor], quant: str, num_experts: int):
         return moe_reference(x, topk_ids, topk_weights, MoEWeights(*tensors), quant=quant)
 
 
-IMPLS = {"reference": ReferenceBackend}
+class Sm90Backend:
+    """Prepack = gcmoe_gemm_sm90's register-fragment layout (shared experts appended); forward = its W1/W2 kernels
+    with routing metadata built on the GPU (capturable)."""
+
+    name = "sm90"
+
+    @staticmethod
+    def prepack(weights: MoEWeights) -> list[torch.Tensor]:
+        from gcmoe_gemm_sm90.ops import MoESm90
+
+        return MoESm90.from_weights(weights).tensors()
+
+    @staticmethod
+    def forward(x, topk_ids, topk_weights, tensors: list[torch.Tensor], quant: str, num_experts: int):
+        from gcmoe_gemm_sm90.ops import MoESm90
+
+        return MoESm90.from_tensors(tensors, num_experts).forward(x, topk_ids, topk_weights)
+
+
+IMPLS = {"reference": ReferenceBackend, "sm90": Sm90Backend}

@@ -76,7 +76,7 @@ def prepack(cfg: MoEConfig, weights: MoEWeights, device=None, backend: str | Non
     _check_ep(cfg)
     _check_weights_match(cfg, weights)
     device = _device(device if device is not None else weights.device)
-    name = choose(device, backend)
+    name = choose(device, backend, cfg)
     tensors = IMPLS[name].prepack(weights.to(device))
     return PackedMoE(cfg, name, device, tuple(tensors))
 
@@ -112,7 +112,7 @@ class MoELayer(torch.nn.Module):
         _check_ep(cfg)
         self.cfg = cfg
         self.device = _device(device if device is not None else "cpu")
-        self.backend = choose(self.device, backend)
+        self.backend = choose(self.device, backend, cfg)
         self.packed: PackedMoE | None = None
 
     def load_weights(self, w13, w2, shared_w13=None, shared_w2=None) -> MoELayer:

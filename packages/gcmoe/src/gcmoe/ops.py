@@ -26,7 +26,7 @@ def moe_forward(
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     if check_values and not capturing:
         check_call_values(num_experts, topk_ids, topk_weights)
-    return IMPLS[backend].forward(x, topk_ids, topk_weights, weights, quant)
+    return IMPLS[backend].forward(x, topk_ids, topk_weights, weights, quant, num_experts)
 
 
 @moe_forward.register_fake
