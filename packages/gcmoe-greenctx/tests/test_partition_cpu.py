@@ -54,3 +54,46 @@ def test_no_gpu_facts_and_errors():
         split_device(16)
     with pytest.raises(ValueError, match="mode must be"):
         split_device(16, mode="halves")
+
+
+class _FakeStream:
+    def __init__(self, *a, **k):
+        pass
+
+
+def _fake_cuda(monkeypatch, facts):
+    from types import SimpleNamespace
+
+    import gcmoe_greenctx.partition as part
+
+    monkeypatch.setattr(part.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(part.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(part.torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(part.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(part.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(part, "device_facts", lambda d: facts)
+
+
+def test_mode_selection_without_green_contexts(monkeypatch):
+    """The mode logic on a (faked) GPU whose driver has no green contexts: 'auto' warns and runs unpartitioned with
+    the same interface, 'green' refuses with the reason, 'unpartitioned' never asks."""
+    from gcmoe_greenctx.partition import SmFacts
+
+    facts = SmFacts(0, None, None, None, 12030, False, False, None, "driver too old for green contexts")
+    _fake_cuda(monkeypatch, facts)
+    with pytest.warns(RuntimeWarning, match="running unpartitioned"):
+        p = split_device(16, mode="auto")
+    assert p.mode == "unpartitioned" and p.comm_sms == p.compute_sms == 132
+    assert isinstance(p.comm_stream, _FakeStream) and p.comm_stream is not p.compute_stream
+    assert "unpartitioned: comm 132 SMs | compute 132 SMs" in p.describe()
+    with pytest.raises(GreenContextError, match="driver too old for green contexts"):
+        split_device(16, mode="green")
+    assert split_device(16, mode="unpartitioned").mode == "unpartitioned"
+
+
+def test_green_mode_checks_the_plan_before_touching_the_driver(monkeypatch):
+    from gcmoe_greenctx.partition import SmFacts
+
+    _fake_cuda(monkeypatch, SmFacts(0, 132, 8, 8, 13000, True, False, "cuDevSmResourceSplitByCount"))
+    with pytest.raises(ValueError, match="Valid comm sizes on this device: 8..120 in steps of 8"):
+        split_device(130, mode="green")
