@@ -14,73 +14,14 @@ Every step is a fixed-shape device computation: the layer captures into a CUDA g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from gcmoe_core.formats import MXFP4Tensor, quantize_fp8_e4m3_1x128
+from gcmoe_core.grouping import Activations, RowLayout, group_rows, prepare_activations
 from gcmoe_core.reference import MoEWeights, combine_slots
 
 from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config
 from .prepack import PackedSm90, lut_words, prepack_sm90
-
-
-@dataclass
-class RowLayout:
-    """Expert-sorted rows of the (token, slot) pairs, each expert's rows padded to a multiple of n_tile."""
-
-    n_tile: int
-    rows: int  # capacity R (static for a token count)
-    offsets: torch.Tensor  # int32 [E + 1] padded row offsets
-    counts: torch.Tensor  # int32 [E] valid rows per expert
-    src_slot: torch.Tensor  # int32 [R] flat slot (t * k + j) of each row, -1 for padding
-    slot_row: torch.Tensor  # int64 [T * k] row of each slot
-
-
-def row_capacity(slots: int, experts: int, n_tile: int) -> int:
-    cap = slots + experts * (n_tile - 1)
-    return -(-cap // n_tile) * n_tile
-
-
-def group_rows(topk_ids: torch.Tensor, num_experts: int, n_tile: int) -> RowLayout:
-    """Routing metadata with no host synchronisation (capturable)."""
-    flat = topk_ids.reshape(-1).long()
-    dev = flat.device
-    nslots = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + n_tile - 1) // n_tile * n_tile
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
-    offsets[1:] = torch.cumsum(padded, 0)
-    starts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-    starts[1:] = torch.cumsum(counts, 0)[:-1]
-    order = torch.argsort(flat, stable=True)
-    e_sorted = flat[order]
-    pos = torch.arange(nslots, device=dev) - starts[e_sorted]
-    slot_row = torch.empty(nslots, dtype=torch.int64, device=dev)
-    slot_row[order] = offsets[e_sorted] + pos
-    rows = row_capacity(nslots, num_experts, n_tile)
-    src_slot = torch.full((rows,), -1, dtype=torch.int32, device=dev)
-    src_slot[slot_row] = torch.arange(nslots, dtype=torch.int32, device=dev)
-    return RowLayout(n_tile, rows, offsets.to(torch.int32), counts.to(torch.int32), src_slot, slot_row)
-
-
-@dataclass
-class Activations:
-    x_rows: torch.Tensor  # uint8 (FP8 E4M3 bits) [R, H]
-    sxT: torch.Tensor  # fp32 [H/128, R]
-    route_w: torch.Tensor  # fp32 [R]
-
-
-def prepare_activations(x: torch.Tensor, topk_weights: torch.Tensor, layout: RowLayout, top_k: int) -> Activations:
-    """Quantise tokens once (FP8 1x128) and gather them into expert-sorted rows; padding rows copy token 0."""
-    q, s = quantize_fp8_e4m3_1x128(x)
-    slot = layout.src_slot.long().clamp(min=0)
-    tok = slot // top_k
-    x_rows = q.view(torch.uint8)[tok]
-    sxT = s[tok].t().contiguous()
-    w = topk_weights.reshape(-1).float()[slot]
-    route_w = torch.where(layout.src_slot >= 0, w, torch.zeros_like(w))
-    return Activations(x_rows, sxT, route_w)
 
 
 def _cute(t: torch.Tensor, dynamic_mode: int | None = 0, align: int | None = None, fp8: bool = False):
