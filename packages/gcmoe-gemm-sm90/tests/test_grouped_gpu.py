@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from gcmoe_core.config import MoEConfig
+from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.reference import MoEWeights, moe_reference
 from gcmoe_core.testing import Case, calc_diff, cosine, first_mismatch, make_problem, make_routing, make_weights
 from gcmoe_gemm_sm90.config import Sm90Config
-from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2, group_rows, prepare_activations, w1, w2
+from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2, w1, w2
 from gcmoe_gemm_sm90.prepack import unpack_sm90
 
 pytestmark = pytest.mark.sm90

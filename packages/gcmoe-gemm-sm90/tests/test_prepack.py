@@ -6,10 +6,11 @@ import torch
 
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.formats import quantize_mxfp4, random_mxfp4
+from gcmoe_core.grouping import group_rows
 from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import Case, make_problem
 from gcmoe_gemm_sm90.config import Sm90Config, can_implement, choose_config
-from gcmoe_gemm_sm90.ops import MoESm90, group_rows
+from gcmoe_gemm_sm90.ops import MoESm90
 from gcmoe_gemm_sm90.prepack import decode_prepacked_reference, effective_weights_sm90, prepack_sm90, unpack_sm90
 
 

@@ -4,15 +4,21 @@ thing captures into a CUDA graph and replays with new routing). Shared by the sm
     layout = group_rows(topk_ids, num_experts, n_tile)   # (token, slot) pairs sorted by expert, each expert's rows
                                                          # padded to a multiple of n_tile; capacity fixed by T
     acts = prepare_activations(x, topk_weights, layout, top_k)   # FP8 1x128 rows, transposed scales, routing weight
+    y = grouped_forward(x, ids, w, num_routed, num_shared, n_tile, hidden, run_w1, run_w2)   # the whole layer
+
+Shared experts ride the routed path: expert ids E..E+S-1 are appended to every token's routing with weight 1, so the
+slot-order combine (routed 0..k-1, then shared) matches gcmoe_core.reference in structure.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .formats import quantize_fp8_e4m3_1x128
+from .reference import combine_slots
 
 
 @dataclass
@@ -71,3 +77,29 @@ def prepare_activations(x: torch.Tensor, topk_weights: torch.Tensor, layout: Row
     w = topk_weights.reshape(-1).float()[slot]
     route_w = torch.where(layout.src_slot >= 0, w, torch.zeros_like(w))
     return Activations(x_rows, sxT, route_w)
+
+
+def grouped_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_routed: int,
+    num_shared: int,
+    n_tile: int,
+    hidden: int,
+    run_w1: Callable[[Activations, RowLayout], tuple[torch.Tensor, torch.Tensor]],
+    run_w2: Callable[[torch.Tensor, torch.Tensor, RowLayout, torch.Tensor], object],
+) -> torch.Tensor:
+    """The layer around two grouped kernels: append shared experts, group, quantise, W1, W2, combine (bf16 [T, H])."""
+    t = topk_ids.shape[0]
+    if num_shared:
+        shared = torch.arange(num_routed, num_routed + num_shared, device=x.device, dtype=topk_ids.dtype)
+        topk_ids = torch.cat((topk_ids, shared.expand(t, num_shared)), dim=1)
+        topk_weights = torch.cat((topk_weights, torch.ones(t, num_shared, device=x.device)), dim=1)
+    slots = topk_ids.shape[1]
+    layout = group_rows(topk_ids, num_routed + num_shared, n_tile)
+    acts = prepare_activations(x, topk_weights, layout, slots)
+    hq, hsT = run_w1(acts, layout)
+    out = torch.empty(t * slots, hidden, dtype=torch.bfloat16, device=x.device)
+    run_w2(hq, hsT, layout, out)
+    return combine_slots(out.view(t, slots, hidden))

@@ -20,8 +20,10 @@ Scale factors (one UE8M0 per 32 K per row; 4 per row per K128 tile), in 512-byte
              i.e. the "128x4" block-scale layout: 32 lanes x (4 row-quarters x 4 groups) — each 16-byte line holds
              rows r, r+32, r+64, r+96 for all four 32-groups.
 
-W13 rows are first interleaved gate/up in groups of 64 (gcmoe_core.layouts) so each 128-row tile holds the gate and
-up rows of the same 64 intermediate columns (the fused SwiGLU epilogue).
+W13 rows are first interleaved gate/up in groups of 16 (gcmoe_core.layouts): each 32-row block (the TMEM lanes one
+epilogue warp reads) holds the gate rows then the up rows of the same 16 intermediate columns, so the fused SwiGLU
+pairs lane l with lane l + 16 by one shuffle; a 256-row CTA tile covers 128 intermediate columns (one FP8 scale
+group of the intermediate).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ BM = 128
 K_TILE = 128
 SF_GROUP = 32
 SF_ATOM = 512
-GATE_UP_GROUP = BM // 2
+GATE_UP_GROUP = 16  # gate rows 0-15 and up rows 16-31 of each 32-row TMEM lane block (one warp): SwiGLU by shuffle
 
 
 @dataclass(frozen=True)

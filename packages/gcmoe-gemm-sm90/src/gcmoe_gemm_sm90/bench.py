@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 from gcmoe_core.config import MoEConfig
+from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.testing import make_routing, make_weights
 from gcmoe_core.timing import ColdL2, copy_bandwidth, fp4_floor_us
 
 from .config import Sm90Config, can_implement
-from .ops import MoESm90, group_rows, prepare_activations, w1, w2
+from .ops import MoESm90, w1, w2
 
 MODELS = ("deepseek-v4-flash", "deepseek-v3", "glm-5", "glm-4.5")
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from gcmoe_core.formats import MXFP4Tensor, quantize_fp8_e4m3_1x128
-from gcmoe_core.grouping import Activations, RowLayout, group_rows, prepare_activations
-from gcmoe_core.reference import MoEWeights, combine_slots
+from gcmoe_core.grouping import Activations, RowLayout, grouped_forward
+from gcmoe_core.reference import MoEWeights
 
 from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config
 from .prepack import PackedSm90, lut_words, prepack_sm90
@@ -165,27 +165,18 @@ class MoESm90:
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, emulate: bool = False
     ) -> torch.Tensor:
         """y [T, H] bf16. emulate=True runs the same pipeline with torch models of the two kernels (any device)."""
-        t, k = topk_ids.shape
-        if self.num_shared:
-            shared = torch.arange(
-                self.num_routed, self.num_routed + self.num_shared, device=x.device, dtype=topk_ids.dtype
-            ).expand(t, self.num_shared)
-            topk_ids = torch.cat((topk_ids, shared), dim=1)
-            topk_weights = torch.cat((topk_weights, torch.ones(t, self.num_shared, device=x.device)), dim=1)
-        slots = topk_ids.shape[1]
-        cfg = self.config_for(t, k)
-        layout = group_rows(topk_ids, self.num_routed + self.num_shared, cfg.n_tile)
-        acts = prepare_activations(x, topk_weights, layout, slots)
-        out = torch.empty(t * slots, self.hidden, dtype=torch.bfloat16, device=x.device)
+        cfg = self.config_for(*topk_ids.shape)
         if emulate:
             from .prepack import unpack_sm90
 
-            hq, hsT = emulate_w1(unpack_sm90(self.w13), acts, layout)
-            emulate_w2(unpack_sm90(self.w2), hq, hsT, layout, out)
+            run_w1 = lambda acts, lay: emulate_w1(unpack_sm90(self.w13), acts, lay)
+            run_w2 = lambda hq, hs, lay, out: emulate_w2(unpack_sm90(self.w2), hq, hs, lay, out)
         else:
-            hq, hsT = w1(self.w13, acts, layout, cfg)
-            w2(self.w2, hq, hsT, layout, out, cfg)
-        return combine_slots(out.view(t, slots, self.hidden))
+            run_w1 = lambda acts, lay: w1(self.w13, acts, lay, cfg)
+            run_w2 = lambda hq, hs, lay, out: w2(self.w2, hq, hs, lay, out, cfg)
+        return grouped_forward(
+            x, topk_ids, topk_weights, self.num_routed, self.num_shared, cfg.n_tile, self.hidden, run_w1, run_w2
+        )
 
 
 def emulate_w1(w13: MXFP4Tensor, acts: Activations, layout: RowLayout):
