@@ -1,6 +1,6 @@
-"""The sm_103a kernels' tile schedule, indexing and math replayed in plain torch on the *prepacked* tensors — proof, on a
-CPU, that the K128 layout, the scale-factor atoms and the epilogues are what the reference computes (the tcgen05
-instructions themselves cannot run here).
+"""The sm_103a kernels' tile schedule, indexing and math replayed in plain torch on the *prepacked* tensors —
+proof, on a CPU, that the K128 layout, the scale-factor atoms and the epilogues are what the reference computes
+(the tcgen05 instructions themselves cannot run here).
 
     for expert e, CTA tile mt (prepacked 128-row tiles 2 mt and 2 mt + 1), token tile nt (n_tile rows):
         for k-tile kt (128 K):                                   # one pipeline stage
@@ -28,7 +28,7 @@ from .prepack import GATE_UP_GROUP, PackedK128, _pack_sf, prepack_mxfp4_k128, sf
 
 def token_scale_atoms(sxT: torch.Tensor) -> torch.Tensor:
     """fp32 power-of-two scales [K/128, R] (R a multiple of 128) -> UE8M0 atoms [R/128, K/128, 512]."""
-    w, r = sxT.shape
+    r = sxT.shape[1]
     if r % MMA_M:
         raise ValueError(f"token_scale_atoms: rows R = {r} must be a multiple of {MMA_M}")
     _, ex = torch.frexp(sxT.t())  # scale = 0.5 * 2^ex
