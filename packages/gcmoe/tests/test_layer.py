@@ -95,6 +95,7 @@ def test_backend_choice_and_errors(monkeypatch):
         gcmoe.MoELayer(CFG, backend="sm90")
     with pytest.raises(gcmoe.BackendUnavailable, match="sm103.*compute capability 10.3"):
         gcmoe.choose(torch.device("cpu"), "sm103")
+    assert "sm103" not in backends.AUTO_ORDER  # compiled and emulated, never run on hardware: explicit only
     with pytest.raises(ValueError, match="unknown backend 'tpu'"):
         gcmoe.choose(torch.device("cpu"), "tpu")
     monkeypatch.setenv("GCMOE_BACKEND", "sm90")

@@ -66,6 +66,7 @@ class CompiledKernel:
     arch: str
     fn: object  # the DSL's compiled callable
     cubin: bytes | None
+    ptx: str | None = None
 
     def __call__(self, *args):
         return self.fn(*args)
@@ -84,14 +85,17 @@ def compile_kernel(jit_fn, *args, arch: str, name: str, extra_options: str = "")
     _, cute = cutlass_modules()
     dump = Path(tempfile.mkdtemp(prefix=f"gcmoe-{name}-"))
     try:
-        fn = cute.compile(jit_fn, *args, options=f"--gpu-arch {arch} --keep-cubin --dump-dir {dump} {extra_options}")
+        opts = f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir {dump} {extra_options}"
+        fn = cute.compile(jit_fn, *args, options=opts)
         cubin = fn.artifacts.CUBIN if getattr(fn, "artifacts", None) is not None else None
         if cubin is None:
             found = sorted(dump.glob("*.cubin"))
             cubin = found[0].read_bytes() if found else None
+        ptx_files = sorted(dump.glob("*.ptx"))
+        ptx = ptx_files[0].read_text() if ptx_files else None
     finally:
         shutil.rmtree(dump, ignore_errors=True)
-    return CompiledKernel(name, arch, fn, cubin)
+    return CompiledKernel(name, arch, fn, cubin, ptx)
 
 
 @cache

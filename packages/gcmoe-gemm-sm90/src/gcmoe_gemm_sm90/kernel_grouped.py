@@ -32,6 +32,7 @@ Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
 from functools import cache
 
 from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
+from gcmoe_core.kernel_helpers import bits_to_f32, cvt_e4m3x2, fp8_pow2_exponent
 
 from .config import Sm90Config
 from .decode_ptx import DECODE8_PTX
@@ -76,33 +77,6 @@ def decode8(word, lut_lo, lut_hi, *, loc=None, ip=None):
         Int32(llvm.extractvalue(i32, res, [0], loc=loc, ip=ip)),
         Int32(llvm.extractvalue(i32, res, [1], loc=loc, ip=ip)),
     )
-
-
-@dsl_user_op
-def bits_to_f32(x, *, loc=None, ip=None):
-    return Float32(llvm.bitcast(T.f32(), Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def f32_to_bits(x, *, loc=None, ip=None):
-    return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def cvt_e4m3x2(hi, lo, *, loc=None, ip=None):
-    """Two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits: byte 0 from lo, byte 1 from hi."""
-    res = llvm.inline_asm(
-        T.i32(),
-        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b16 h;\ncvt.rn.satfinite.e4m3x2.f32 h, $1, $2;\ncvt.u32.u16 $0, h;\n}",
-        "=r,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return Int32(res)
 
 
 class GroupedGemmSm90:
@@ -449,14 +423,7 @@ class GroupedGemmSm90:
             m = sred[col, 0]
             for k in cutlass.range_constexpr(1, 8):
                 m = cute.arch.fmax(m, sred[col, k])
-            # smallest 2^e with m <= 448 * 2^e (m = 1.f * 2^(E-127)): e = E - 135, +1 when 1.f > 1.75
-            bits = f32_to_bits(m)
-            ex = ((bits >> 23) & 0xFF) - 135
-            if (bits & 0x7FFFFF) > 0x600000:
-                ex = ex + 1
-            if m == Float32(0.0):
-                ex = Int32(0)
-            ex = cutlass.max(cutlass.min(ex, 126), -126)
+            ex = fp8_pow2_exponent(m)
             inv = bits_to_f32((127 - ex) << 23)
             if col < valid:
                 row = row0 + col

@@ -1,0 +1,55 @@
+"""Small device helpers the CuTe DSL kernels of several packages share (imports CuTe DSL: kernel modules only).
+
+bits_to_f32 / f32_to_bits      reinterpret 32 bits
+cvt_e4m3x2(hi, lo)             two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits
+fp8_pow2_exponent(amax)        e of the power-of-two FP8 scale, smallest 2^e with amax <= 448 * 2^e, in [-126, 126]
+                               (formats.fp8_scale_for_amax, bit-exact; amax = 0 gives e = 0)
+"""
+
+# No `from __future__ import annotations`: the DSL reads the annotations as live objects.
+from .cutedsl import cutlass_modules
+
+cutlass, cute = cutlass_modules()
+from cutlass._mlir.dialects import llvm  # noqa: E402
+from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
+
+Int32, Float32 = cutlass.Int32, cutlass.Float32
+
+
+@dsl_user_op
+def bits_to_f32(x, *, loc=None, ip=None):
+    return Float32(llvm.bitcast(T.f32(), Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32_to_bits(x, *, loc=None, ip=None):
+    return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def cvt_e4m3x2(hi, lo, *, loc=None, ip=None):
+    """Two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits: byte 0 from lo, byte 1 from hi."""
+    res = llvm.inline_asm(
+        T.i32(),
+        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b16 h;\ncvt.rn.satfinite.e4m3x2.f32 h, $1, $2;\ncvt.u32.u16 $0, h;\n}",
+        "=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Int32(res)
+
+
+@cute.jit
+def fp8_pow2_exponent(amax: Float32) -> Int32:
+    # amax = 1.f * 2^(E-127): the smallest e with amax <= 1.75 * 2^(8+e) is E - 135, plus 1 when 1.f > 1.75
+    bits = f32_to_bits(amax)
+    ex = ((bits >> 23) & 0xFF) - 135
+    if (bits & 0x7FFFFF) > 0x600000:
+        ex = ex + 1
+    if amax == Float32(0.0):
+        ex = Int32(0)
+    return cutlass.max(cutlass.min(ex, 126), -126)
