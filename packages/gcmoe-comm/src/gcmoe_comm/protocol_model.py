@@ -200,6 +200,25 @@ def _check_final(cfg: Config, shared) -> None:
                 raise Violation(f"rank {r} gen {g}: {s['signals'][r][g]} signals sent, {s['seen'][r][g]} accounted")
 
 
+def _expand(cfg: Config, pcs, shared, trace, deadlocks: list[str], violations: list[str]) -> list:
+    """The enabled moves from a state; [] for a terminal state, whose deadlock or violation is recorded."""
+    tail = " ".join(trace[-12:])
+    try:
+        moves = list(_moves(cfg, pcs, shared))
+    except Violation as e:
+        violations.append(f"{e} after {tail}")
+        return []
+    if not moves:
+        if not _done(cfg, pcs):
+            deadlocks.append(f"stuck at {pcs} after {tail}")
+        else:
+            try:
+                _check_final(cfg, shared)
+            except Violation as e:
+                violations.append(str(e))
+    return moves
+
+
 @dataclass
 class Report:
     states: int
@@ -220,20 +239,7 @@ def explore(cfg: Config, max_states: int = 5_000_000) -> Report:
     violations: list[str] = []
     while stack and len(seen) <= max_states:
         (pcs, shared), trace = stack.pop()
-        try:
-            moves = list(_moves(cfg, pcs, shared))
-        except Violation as e:
-            violations.append(f"{e} after {' '.join(trace[-12:])}")
-            continue
-        if not moves:
-            if _done(cfg, pcs):
-                try:
-                    _check_final(cfg, shared)
-                except Violation as e:
-                    violations.append(str(e))
-            else:
-                deadlocks.append(f"stuck at {pcs} after {' '.join(trace[-12:])}")
-            continue
+        moves = _expand(cfg, pcs, shared, trace, deadlocks, violations)
         for desc, npcs, nshared in moves:
             st = (npcs, nshared)
             if st not in seen:
@@ -254,19 +260,8 @@ def random_walks(cfg: Config, walks: int, seed: int = 0) -> Report:
         pcs, shared = _initial(cfg)
         trace: list[str] = []
         while True:
-            try:
-                moves = list(_moves(cfg, pcs, shared))
-            except Violation as e:
-                violations.append(f"{e} after {' '.join(trace[-12:])}")
-                break
+            moves = _expand(cfg, pcs, shared, trace, deadlocks, violations)
             if not moves:
-                if _done(cfg, pcs):
-                    try:
-                        _check_final(cfg, shared)
-                    except Violation as e:
-                        violations.append(str(e))
-                else:
-                    deadlocks.append(f"stuck at {pcs}")
                 break
             desc, pcs, shared = rng.choice(moves)
             trace.append(desc)

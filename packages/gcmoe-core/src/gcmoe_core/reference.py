@@ -77,6 +77,19 @@ class MoEWeights:
     def to(self, device) -> MoEWeights:
         return MoEWeights(*(None if w is None else w.to(device) for w in self.all()))
 
+    def shared_as_experts(self) -> tuple[Weight, Weight]:
+        """(w13, w2) with the shared experts appended after the routed ones (the kernels run them as experts
+        E..E+S-1 that every token is routed to with weight 1)."""
+        if not self.num_shared:
+            return self.w13, self.w2
+
+        def cat(a, b):
+            if isinstance(a, MXFP4Tensor):
+                return MXFP4Tensor(torch.cat((a.packed, b.packed)), torch.cat((a.scale, b.scale)))
+            return torch.cat((a, b))
+
+        return cat(self.w13, self.shared_w13), cat(self.w2, self.shared_w2)
+
     def exact_bf16(self) -> MoEWeights:
         """MXFP4 weights dequantised into bf16 — exact (an E2M1 value times a power of two has <= 2 significant
         bits) — for fast reference evaluation; pass quant="fp8_mxfp4" alongside to keep the FP8 activations."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from gcmoe_core.formats import MXFP4Tensor
 from gcmoe_core.grouping import grouped_forward
 from gcmoe_core.reference import MoEWeights
 
@@ -34,19 +33,12 @@ class MoESm103:
     def from_weights(cls, weights: MoEWeights, cfg: Sm103Config | None = None) -> MoESm103:
         if weights.quant != "fp8_mxfp4":
             raise ValueError("MoESm103: the sm103 kernels take MXFP4 weights (quant='fp8_mxfp4')")
-        w13, w2 = weights.w13, weights.w2
-        if weights.num_shared:
-            w13 = MXFP4Tensor(
-                torch.cat((w13.packed, weights.shared_w13.packed)), torch.cat((w13.scale, weights.shared_w13.scale))
-            )
-            w2 = MXFP4Tensor(
-                torch.cat((w2.packed, weights.shared_w2.packed)), torch.cat((w2.scale, weights.shared_w2.scale))
-            )
+        w13, w2_ = weights.shared_as_experts()
         e, two_i, h = w13.shape
         why = layer_missing(h, two_i // 2, e)
         if why:
             raise ValueError(f"MoESm103: {why}")
-        return cls(prepack_mxfp4_k128(w13, gate_up=True), prepack_mxfp4_k128(w2), weights.num_experts, cfg)
+        return cls(prepack_mxfp4_k128(w13, gate_up=True), prepack_mxfp4_k128(w2_), weights.num_experts, cfg)
 
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, emulate: bool = False

@@ -35,7 +35,7 @@ from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
 from gcmoe_core.kernel_helpers import bits_to_f32, cvt_e4m3x2, fp8_pow2_exponent
 
 from .config import Sm90Config
-from .decode_ptx import DECODE8_PTX
+from .kernel_decode import decode8
 
 cutlass, cute = cutlass_modules()
 import cuda.bindings.driver as cuda  # noqa: E402
@@ -43,40 +43,13 @@ import cutlass.pipeline as pipeline  # noqa: E402
 import cutlass.utils as utils  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass import runtime as crt  # noqa: E402
-from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
-from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
 Int32, Float32 = cutlass.Int32, cutlass.Float32
 THREADS = 256
 WINDOW_K = 128
 TILE_M = 256
-
-
-@dsl_user_op
-def decode8(word, lut_lo, lut_hi, *, loc=None, ip=None):
-    """8 E2M1 codes -> (E4M3 bytes of codes 0-3, of codes 4-7) through the given LUT."""
-    i32 = T.i32()
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([i32, i32]),
-        [
-            Int32(word).ir_value(loc=loc, ip=ip),
-            Int32(lut_lo).ir_value(loc=loc, ip=ip),
-            Int32(lut_hi).ir_value(loc=loc, ip=ip),
-        ],
-        DECODE8_PTX,
-        "=r,=r,r,r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return (
-        Int32(llvm.extractvalue(i32, res, [0], loc=loc, ip=ip)),
-        Int32(llvm.extractvalue(i32, res, [1], loc=loc, ip=ip)),
-    )
 
 
 class GroupedGemmSm90:

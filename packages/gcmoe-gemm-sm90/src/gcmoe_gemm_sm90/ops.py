@@ -130,14 +130,7 @@ class MoESm90:
         """Prepack MXFP4 weights (shared experts appended after the routed ones)."""
         if weights.quant != "fp8_mxfp4":
             raise ValueError("MoESm90: the sm90 kernels take MXFP4 weights (quant='fp8_mxfp4')")
-        w13, w2_ = weights.w13, weights.w2
-        if weights.num_shared:
-            w13 = MXFP4Tensor(
-                torch.cat((w13.packed, weights.shared_w13.packed)), torch.cat((w13.scale, weights.shared_w13.scale))
-            )
-            w2_ = MXFP4Tensor(
-                torch.cat((w2_.packed, weights.shared_w2.packed)), torch.cat((w2_.scale, weights.shared_w2.scale))
-            )
+        w13, w2_ = weights.shared_as_experts()
         e, two_i, h = w13.shape
         why = layer_missing(h, two_i // 2, e)
         if why:

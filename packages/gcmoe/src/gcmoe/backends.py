@@ -109,41 +109,27 @@ class ReferenceBackend:
         return moe_reference(x, topk_ids, topk_weights, MoEWeights(*tensors), quant=quant)
 
 
-class Sm90Backend:
-    """Prepack = gcmoe_gemm_sm90's register-fragment layout (shared experts appended); forward = its W1/W2 kernels
-    with routing metadata built on the GPU (capturable)."""
+class KernelBackend:
+    """A kernel package's layer class (`from_weights(...).tensors()` to prepack, `from_tensors(...).forward` to
+    run): the sm90 and sm103 backends differ only in the class."""
 
-    name = "sm90"
+    def __init__(self, name: str, module: str, cls: str):
+        self.name, self._module, self._cls = name, module, cls
 
-    @staticmethod
-    def prepack(weights: MoEWeights) -> list[torch.Tensor]:
-        from gcmoe_gemm_sm90.ops import MoESm90
+    def _layer_cls(self):
+        import importlib
 
-        return MoESm90.from_weights(weights).tensors()
+        return getattr(importlib.import_module(self._module), self._cls)
 
-    @staticmethod
-    def forward(x, topk_ids, topk_weights, tensors: list[torch.Tensor], quant: str, num_experts: int):
-        from gcmoe_gemm_sm90.ops import MoESm90
+    def prepack(self, weights: MoEWeights) -> list[torch.Tensor]:
+        return self._layer_cls().from_weights(weights).tensors()
 
-        return MoESm90.from_tensors(tensors, num_experts).forward(x, topk_ids, topk_weights)
-
-
-class Sm103Backend:
-    """Prepack = gcmoe_gemm_sm103's K128 tiles and tcgen05 scale atoms; forward = its tcgen05 block-scaled kernels."""
-
-    name = "sm103"
-
-    @staticmethod
-    def prepack(weights: MoEWeights) -> list[torch.Tensor]:
-        from gcmoe_gemm_sm103.ops import MoESm103
-
-        return MoESm103.from_weights(weights).tensors()
-
-    @staticmethod
-    def forward(x, topk_ids, topk_weights, tensors: list[torch.Tensor], quant: str, num_experts: int):
-        from gcmoe_gemm_sm103.ops import MoESm103
-
-        return MoESm103.from_tensors(tensors, num_experts).forward(x, topk_ids, topk_weights)
+    def forward(self, x, topk_ids, topk_weights, tensors: list[torch.Tensor], quant: str, num_experts: int):
+        return self._layer_cls().from_tensors(tensors, num_experts).forward(x, topk_ids, topk_weights)
 
 
-IMPLS = {"reference": ReferenceBackend, "sm90": Sm90Backend, "sm103": Sm103Backend}
+IMPLS = {
+    "reference": ReferenceBackend,
+    "sm90": KernelBackend("sm90", "gcmoe_gemm_sm90.ops", "MoESm90"),  # register-A WGMMA, in-register FP4 decode
+    "sm103": KernelBackend("sm103", "gcmoe_gemm_sm103.ops", "MoESm103"),  # tcgen05 block-scaled MMA
+}
