@@ -1,0 +1,85 @@
+"""The ring layout and the torch model of dispatch / scatter / combine over P virtual ranks (CPU), bit-exact against
+gcmoe_core's multi-rank reference: uniform, skewed (everything to one expert / one rank) and empty-rank routing."""
+
+import pytest
+import torch
+
+from gcmoe_comm.ring import RingSpec, dispatch_emulated, scatter_emulated
+from gcmoe_core.config import MoEConfig
+from gcmoe_core.multirank import multirank_reference
+from gcmoe_core.reference import MoEWeights, activation_input, combine_slots, shared_slot_rows
+from gcmoe_core.testing import first_mismatch, make_routing
+
+H, I, E, K = 256, 128, 8, 2
+
+
+def _ranks(p: int, routing: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    xs, ids, ws = [], [], []
+    for r in range(p):
+        t = 3 + 2 * r
+        xs.append(torch.randn(t, H, generator=g).to(torch.bfloat16))
+        if routing == "one_rank":  # every token of every rank goes to rank 0's experts: other ranks receive nothing
+            i, w = make_routing(t, K, E // p, "uniform", g)
+        else:
+            i, w = make_routing(t, K, E, routing, g)
+        ids.append(i), ws.append(w)
+    return xs, ids, ws
+
+
+def _weights(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return MoEWeights.from_float(
+        torch.randn(E, 2 * I, H, generator=g) * H**-0.5,
+        torch.randn(E, H, I, generator=g) * I**-0.5,
+        torch.randn(1, 2 * I, H, generator=g) * H**-0.5,
+        torch.randn(1, H, I, generator=g) * I**-0.5,
+    )
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize("routing", ["uniform", "one_expert", "half_empty", "one_rank"])
+def test_dispatch_and_combine_bit_exact(p, routing):
+    xs, ids, ws = _ranks(p, routing, seed=p * 10 + len(routing))
+    weights = _weights(seed=1)
+    ref_dispatch, ref_combine = multirank_reference(xs, ids, ws, weights)
+    cfg = MoEConfig(H, I, E, K, num_shared_experts=1, ep_size=p, max_tokens_per_rank=16)
+    spec = RingSpec.from_config(cfg, bm=8)
+    combine = [torch.full((x.shape[0] * K, H), float("nan"), dtype=torch.bfloat16) for x in xs]  # poisoned
+    for q in range(p):
+        ring = dispatch_emulated(spec, q, ids, ws, xs)
+        ref = ref_dispatch[q]
+        valid = ring.src[:, 0] >= 0
+        assert torch.equal(ring.counts, ref.expert_counts)
+        assert int(valid.sum()) == ref.src.shape[0]
+        assert all(int(o) % spec.bm == 0 for o in ring.offsets)
+        assert first_mismatch(ring.src[valid], ref.src) == ""
+        assert first_mismatch(ring.x_rows[valid].view(torch.float8_e4m3fn), ref.x_payload) == ""
+        assert first_mismatch(ring.sxT[:, valid].t(), ref.x_scale) == ""
+        # every block holds rows of one expert only
+        for e in range(spec.local_experts):
+            lo, hi = int(ring.offsets[e]), int(ring.offsets[e + 1])
+            assert lo % spec.bm == 0 and hi % spec.bm == 0
+        # W2 stand-in: each ring row's output is the reference's slot row for its (src rank, token, slot)
+        out = torch.zeros(spec.capacity, H, dtype=torch.bfloat16)
+        for i in valid.nonzero().squeeze(1).tolist():
+            r, t, j = ring.src[i].tolist()
+            out[i] = ref_combine[r].slot_rows[t, j]
+        scatter_emulated(ring, out, combine, K)
+    for r in range(p):
+        rows = combine[r].view(-1, K, H)
+        assert not rows.isnan().any(), "a combine row was never written"
+        assert first_mismatch(rows, ref_combine[r].slot_rows) == ""
+        shared = shared_slot_rows(activation_input(xs[r], "fp8_mxfp4"), weights)
+        assert first_mismatch(combine_slots(torch.cat((rows, shared), dim=1)), ref_combine[r].y) == ""
+
+
+def test_ring_sizing():
+    cfg = MoEConfig.from_model("deepseek-v3", ep_size=8, max_tokens_per_rank=256)
+    spec = RingSpec.from_config(cfg, bm=16)
+    assert spec.capacity == 8 * 256 * 8 + 32 * 15  # P * T * k slots + E/P * (BM - 1) padding, already a multiple of 16
+    assert spec.blocks == spec.capacity // 16
+    b = spec.bytes_per_rank()
+    assert b["combine"] == 256 * 8 * 7168 * 2 and b["ring_rows"] > spec.capacity * 7168
+    with pytest.raises(ValueError, match="power of two"):
+        RingSpec.from_config(cfg, bm=12)
