@@ -10,7 +10,7 @@ from gcmoe_core.multirank import multirank_reference
 from gcmoe_core.reference import MoEWeights, activation_input, combine_slots, shared_slot_rows
 from gcmoe_core.testing import first_mismatch, make_routing
 
-H, I, E, K = 256, 128, 8, 2
+H, INTER, E, K = 256, 128, 8, 2
 
 
 def _ranks(p: int, routing: str, seed: int):
@@ -30,10 +30,10 @@ def _ranks(p: int, routing: str, seed: int):
 def _weights(seed: int):
     g = torch.Generator().manual_seed(seed)
     return MoEWeights.from_float(
-        torch.randn(E, 2 * I, H, generator=g) * H**-0.5,
-        torch.randn(E, H, I, generator=g) * I**-0.5,
-        torch.randn(1, 2 * I, H, generator=g) * H**-0.5,
-        torch.randn(1, H, I, generator=g) * I**-0.5,
+        torch.randn(E, 2 * INTER, H, generator=g) * H**-0.5,
+        torch.randn(E, H, INTER, generator=g) * INTER**-0.5,
+        torch.randn(1, 2 * INTER, H, generator=g) * H**-0.5,
+        torch.randn(1, H, INTER, generator=g) * INTER**-0.5,
     )
 
 
@@ -43,7 +43,7 @@ def test_dispatch_and_combine_bit_exact(p, routing):
     xs, ids, ws = _ranks(p, routing, seed=p * 10 + len(routing))
     weights = _weights(seed=1)
     ref_dispatch, ref_combine = multirank_reference(xs, ids, ws, weights)
-    cfg = MoEConfig(H, I, E, K, num_shared_experts=1, ep_size=p, max_tokens_per_rank=16)
+    cfg = MoEConfig(H, INTER, E, K, num_shared_experts=1, ep_size=p, max_tokens_per_rank=16)
     spec = RingSpec.from_config(cfg, bm=8)
     combine = [torch.full((x.shape[0] * K, H), float("nan"), dtype=torch.bfloat16) for x in xs]  # poisoned
     for q in range(p):
