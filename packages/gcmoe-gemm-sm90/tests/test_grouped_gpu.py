@@ -8,6 +8,7 @@ from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.reference import MoEWeights, moe_reference
 from gcmoe_core.testing import Case, calc_diff, cosine, first_mismatch, make_problem, make_routing, make_weights
+from gcmoe_core.timing import capture_graph
 from gcmoe_gemm_sm90.config import Sm90Config
 from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2, w1, w2
 from gcmoe_gemm_sm90.prepack import unpack_sm90
@@ -71,15 +72,7 @@ def test_cosine_vs_bf16_path():
 def test_graph_replays_bitwise_identical_with_new_routing():
     x, ids, w, weights, _ = make_problem(Case(SMALL, 16, "uniform", seed=9), device="cuda")
     moe = MoESm90.from_weights(weights, Sm90Config(n_tile=16, stages=3, prefetch=2))
-    moe.forward(x, ids, w)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        moe.forward(x, ids, w)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = moe.forward(x, ids, w)
+    g, y = capture_graph(lambda: moe.forward(x, ids, w), warmup=2)
     for seed in range(3):
         nx, nids, nw, _, _ = make_problem(Case(SMALL, 16, ("uniform", "one_expert", "half_empty")[seed], 50 + seed))
         x.copy_(nx), ids.copy_(nids), w.copy_(nw)

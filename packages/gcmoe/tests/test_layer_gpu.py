@@ -8,6 +8,7 @@ import gcmoe
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import Case, calc_diff, first_mismatch, make_problem
+from gcmoe_core.timing import capture_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -32,15 +33,7 @@ def test_cuda_graph_capture_and_replay(backend, tol):
     x, ids, w, _, floats = make_problem(Case(CFG, 8, "uniform", seed=22))
     layer = gcmoe.MoELayer(CFG, device="cuda", backend=backend).load_weights(*floats)
     sx, sids, sw = x.cuda(), ids.cuda(), w.cuda()
-    layer(sx, sids, sw)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer(sx, sids, sw)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = layer(sx, sids, sw)
+    g, out = capture_graph(lambda: layer(sx, sids, sw), warmup=2)
     for i in range(5):
         nx, nids, nw, _, _ = make_problem(Case(CFG, 8, ("uniform", "one_expert")[i % 2], seed=100 + i))
         sx.copy_(nx), sids.copy_(nids), sw.copy_(nw)

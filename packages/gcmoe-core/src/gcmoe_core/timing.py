@@ -27,6 +27,22 @@ class ColdL2:
         self.buf.add_(1)
 
 
+def capture_graph(fn: Callable[[], object], warmup: int = 1, device: torch.device | None = None):
+    """(graph, what fn returned while captured). fn runs `warmup` times on a side stream first, so allocations,
+    lazy initialisation and JIT compiles stay out of the graph; replaying the graph re-runs fn's device work."""
+    s = torch.cuda.Stream(device=device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def time_gpu(
     fn: Callable[[], object],
     iters: int = 50,
@@ -37,21 +53,14 @@ def time_gpu(
 ) -> dict:
     """Median/min/p90 microseconds of fn on the current stream. graph=True captures fn once and times replays."""
     device = device or torch.device("cuda", torch.cuda.current_device())
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize(device)
-    run = fn
     if graph:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream(device=device)
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+        run = capture_graph(fn, warmup, device)[0].replay
+    else:
+        for _ in range(warmup):
             fn()
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
-        run()
+        run = fn
+    run()
+    torch.cuda.synchronize(device)
     flush = ColdL2(device) if cold_l2 else (lambda: None)
     times = []
     for _ in range(iters):

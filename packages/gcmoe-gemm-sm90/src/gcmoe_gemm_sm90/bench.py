@@ -25,7 +25,7 @@ import torch
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.testing import make_routing, make_weights
-from gcmoe_core.timing import ColdL2, copy_bandwidth, fp4_floor_us
+from gcmoe_core.timing import ColdL2, capture_graph, copy_bandwidth, fp4_floor_us
 
 from .config import Sm90Config, can_implement
 from .ops import MoESm90, w1, w2
@@ -33,17 +33,8 @@ from .ops import MoESm90, w1, w2
 MODELS = ("deepseek-v4-flash", "deepseek-v3", "glm-5", "glm-4.5")
 
 
-def _graph(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    return capture_graph(fn)[0]
 
 
 def _interleaved(graphs: dict, iters: int) -> dict:

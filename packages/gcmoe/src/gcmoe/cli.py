@@ -13,7 +13,6 @@ import argparse
 import json
 import platform
 import sys
-import time
 from importlib import metadata
 
 import torch
@@ -103,25 +102,6 @@ def _print_info(d: dict) -> None:
         print(f"backend {name}: {st}")
 
 
-def _timed(fn, device: torch.device, iters: int) -> float:
-    """Median seconds of fn() (events on a GPU, perf_counter on a CPU), after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def demo(
     model: str, ep: int, tokens: int, backend: str | None, seed: int, device: str | None, shape: str | None = None
 ) -> dict:
@@ -130,6 +110,7 @@ def demo(
     from gcmoe_core.config import MoEConfig
     from gcmoe_core.reference import moe_reference_loop_fp64
     from gcmoe_core.testing import calc_diff, make_routing, make_weights
+    from gcmoe_core.timing import time_cpu, time_gpu
 
     from .layer import MoELayer
 
@@ -154,7 +135,9 @@ def demo(
     ids, w = ids.to(dev), w.to(dev)
     steps.set_postfix_str("run")
     y = layer(x, ids, w)
-    secs = _timed(lambda: layer(x, ids, w), dev, iters=3 if dev.type == "cpu" else 20)
+    run = lambda: layer(x, ids, w)
+    timing = time_gpu(run, iters=20, graph=False, cold_l2=False, device=dev) if dev.type == "cuda" else time_cpu(run, 2)
+    secs = timing["median_us"] * 1e-6
     steps.update()
     steps.set_postfix_str("check")
     ref = moe_reference_loop_fp64(x, ids, w, weights)
