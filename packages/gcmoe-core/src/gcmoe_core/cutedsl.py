@@ -145,16 +145,17 @@ def sass_opcodes(sass: str) -> set[str]:
     return set(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, flags=re.M))
 
 
-def as_cute(t, dynamic_mode: int = 0, assumed_align: int | None = None, element_type=None):
-    """A torch tensor as the CuTe tensor a kernel compiled against `make_fake_compact_tensor` with a dynamic
-    `dynamic_mode` expects (compact layout, that mode's extent passed at run time). element_type reinterprets the
-    elements (e.g. uint8 storage as Float8E4M3FN, independent of the torch build's DLPack support for FP8)."""
+def as_cute(t, dynamic_mode: int | None = 0, assumed_align: int | None = None, element_type=None):
+    """A torch tensor as the CuTe tensor a kernel compiled against `make_fake_compact_tensor` expects: mode
+    `dynamic_mode` dynamic (compact layout, that extent passed at run time), or fully static when None.
+    element_type reinterprets the elements (e.g. uint8 storage as Float8E4M3FN, independent of the torch build's
+    DLPack support for FP8)."""
     from cutlass.cute.runtime import from_dlpack
 
     cutlass_modules()
-    ct = from_dlpack(t, assumed_align=assumed_align).mark_compact_shape_dynamic(
-        mode=dynamic_mode, stride_order=t.dim_order()
-    )
+    ct = from_dlpack(t, assumed_align=assumed_align)
+    if dynamic_mode is not None:
+        ct = ct.mark_compact_shape_dynamic(mode=dynamic_mode, stride_order=t.dim_order())
     if element_type is not None:
         ct.element_type = element_type
     return ct

@@ -608,7 +608,6 @@ def run_w1(packed, acts, layout, cfg: Sm103Config):
 def run_w2(packed, hq, hsT, layout, out, cfg: Sm103Config):
     """W2 on a Blackwell GPU: out[src_slot[row]] = bf16 rows."""
     import torch
-    from cutlass.cute.runtime import from_dlpack
 
     from gcmoe_core.cutedsl import as_cute
 
@@ -623,7 +622,7 @@ def run_w2(packed, hq, hsT, layout, out, cfg: Sm103Config):
         layout,
         as_cute(layout.src_slot, 0, 4),
         as_cute(out, 0, 16),
-        from_dlpack(dummy),
+        as_cute(dummy, None),
         cfg,
     )
     return out

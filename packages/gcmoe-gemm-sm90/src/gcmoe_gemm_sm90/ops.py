@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from gcmoe_core.cutedsl import as_cute
 from gcmoe_core.formats import MXFP4Tensor, quantize_fp8_e4m3_1x128
 from gcmoe_core.grouping import Activations, RowLayout, grouped_forward
 from gcmoe_core.reference import MoEWeights
@@ -24,21 +25,10 @@ from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config
 from .prepack import PackedSm90, lut_words, prepack_sm90
 
 
-def _cute(t: torch.Tensor, dynamic_mode: int | None = 0, align: int | None = None, fp8: bool = False):
-    """dynamic_mode=None: a statically shaped tensor (its extents are compiled in)."""
-    from gcmoe_core.cutedsl import as_cute, cutlass_modules
-
-    if dynamic_mode is None:
-        from cutlass.cute.runtime import from_dlpack
-
-        return from_dlpack(t, assumed_align=align)
-    return as_cute(t, dynamic_mode, align, cutlass_modules()[0].Float8E4M3FN if fp8 else None)
-
-
 def _launch(mode: str, packed: PackedSm90, x_rows, sxT, layout: RowLayout, ep_a, ep_b, ep_c, cfg: Sm90Config):
     import cuda.bindings.driver as cuda
 
-    from gcmoe_core.cutedsl import target_arch
+    from gcmoe_core.cutedsl import cutlass_modules, target_arch
 
     from .kernel_grouped import compiled
 
@@ -59,13 +49,13 @@ def _launch(mode: str, packed: PackedSm90, x_rows, sxT, layout: RowLayout, ep_a,
     ws = packed.scales.view(-1, 256)
     lut = _lut(dev)
     kern(
-        _cute(wq, 0, 16),
-        _cute(ws, 0, 16),
-        _cute(x_rows, 0, 16, fp8=True),
-        _cute(sxT, 1, 16),
-        _cute(layout.offsets, 0, 4),
-        _cute(layout.counts, 0, 4),
-        _cute(lut, None, 16),
+        as_cute(wq, 0, 16),
+        as_cute(ws, 0, 16),
+        as_cute(x_rows, 0, 16, cutlass_modules()[0].Float8E4M3FN),
+        as_cute(sxT, 1, 16),
+        as_cute(layout.offsets, 0, 4),
+        as_cute(layout.counts, 0, 4),
+        as_cute(lut, None, 16),
         ep_a,
         ep_b,
         ep_c,
@@ -90,7 +80,15 @@ def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config
     hq = torch.empty(rows, inter, dtype=torch.uint8, device=dev)
     hsT = torch.empty(packed.m // TILE_M, rows, dtype=torch.float32, device=dev)
     _launch(
-        "w1", packed, acts.x_rows, acts.sxT, layout, _cute(acts.route_w, 0, 4), _cute(hq, 0, 16), _cute(hsT, 1, 4), cfg
+        "w1",
+        packed,
+        acts.x_rows,
+        acts.sxT,
+        layout,
+        as_cute(acts.route_w, 0, 4),
+        as_cute(hq, 0, 16),
+        as_cute(hsT, 1, 4),
+        cfg,
     )
     return hq, hsT
 
@@ -100,7 +98,9 @@ def w2(
 ) -> torch.Tensor:
     """out[slot, :] = W2_e h[row] for every valid row (slot = the row's (token, slot) index); bf16 [T*k, H]."""
     dummy = torch.empty(1, dtype=torch.float32, device=hq.device)
-    _launch("w2", packed, hq, hsT, layout, _cute(layout.src_slot, 0, 4), _cute(out, 0, 16), _cute(dummy, None, 4), cfg)
+    _launch(
+        "w2", packed, hq, hsT, layout, as_cute(layout.src_slot, 0, 4), as_cute(out, 0, 16), as_cute(dummy, None, 4), cfg
+    )
     return out
 
 
