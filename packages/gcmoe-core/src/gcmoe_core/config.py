@@ -188,13 +188,14 @@ def validate_call(
 
 
 def check_call_values(num_experts: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-    """The checks that read device memory (a host sync): ids in [0, E), finite routing weights."""
-    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    """The checks that read device memory — one host sync: ids in [0, E), finite routing weights."""
+    ids = topk_ids.long()
+    lo, hi, bad_w = torch.stack((ids.min(), ids.max(), (~torch.isfinite(topk_weights)).any().long())).tolist()
     if lo < 0:
         _fail("topk_ids", f"holds a negative expert id ({lo}); ids must be in [0, {num_experts})")
     if hi >= num_experts:
         _fail("topk_ids", f"holds expert id {hi}, out of range [0, {num_experts})")
-    if not bool(torch.isfinite(topk_weights).all()):
+    if bad_w:
         _fail("topk_weights", "holds a non-finite routing weight (NaN or Inf)")
 
 

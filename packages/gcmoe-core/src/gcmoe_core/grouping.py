@@ -30,7 +30,6 @@ class RowLayout:
     offsets: torch.Tensor  # int32 [E + 1] padded row offsets
     counts: torch.Tensor  # int32 [E] valid rows per expert
     src_slot: torch.Tensor  # int32 [R] flat slot (t * k + j) of each row, -1 for padding
-    slot_row: torch.Tensor  # int64 [T * k] row of each slot
 
 
 def row_capacity(slots: int, experts: int, n_tile: int) -> int:
@@ -57,7 +56,7 @@ def group_rows(topk_ids: torch.Tensor, num_experts: int, n_tile: int) -> RowLayo
     rows = row_capacity(nslots, num_experts, n_tile)
     src_slot = torch.full((rows,), -1, dtype=torch.int32, device=dev)
     src_slot[slot_row] = torch.arange(nslots, dtype=torch.int32, device=dev)
-    return RowLayout(n_tile, rows, offsets.to(torch.int32), counts.to(torch.int32), src_slot, slot_row)
+    return RowLayout(n_tile, rows, offsets.to(torch.int32), counts.to(torch.int32), src_slot)
 
 
 @dataclass
