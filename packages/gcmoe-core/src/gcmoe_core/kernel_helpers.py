@@ -11,6 +11,7 @@ from .cutedsl import cutlass_modules
 
 cutlass, cute = cutlass_modules()
 from cutlass._mlir.dialects import llvm  # noqa: E402
+from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
 Int32, Float32 = cutlass.Int32, cutlass.Float32
@@ -53,3 +54,21 @@ def fp8_pow2_exponent(amax: Float32) -> Int32:
     if amax == Float32(0.0):
         ex = Int32(0)
     return cutlass.max(cutlass.min(ex, 126), -126)
+
+
+def fake_epilogue_args(mode: str, m: int, tile_m: int = 256):
+    """The epilogue operands both grouped kernel packages share, as fakes for an offline compile:
+    W1: route_w fp32 [R], hq uint8 [R, M/2] (FP8 bits), hsT fp32 [M/tile_m, R];  W2: dst int32 [R], out bf16 [R', M],
+    and an unused fp32 [1]. Every row extent is its own run-time symbol."""
+    dyn = cute.sym_int
+    if mode == "w1":
+        return (
+            make_fake_compact_tensor(Float32, (dyn(),), assumed_align=4),
+            make_fake_compact_tensor(cutlass.Uint8, (dyn(), m // 2), stride_order=(1, 0), assumed_align=16),
+            make_fake_compact_tensor(Float32, (m // tile_m, dyn()), stride_order=(1, 0), assumed_align=4),
+        )
+    return (
+        make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4),
+        make_fake_compact_tensor(cutlass.BFloat16, (dyn(), m), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(Float32, (1,), assumed_align=4),
+    )

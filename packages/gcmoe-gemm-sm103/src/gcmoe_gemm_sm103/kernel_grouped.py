@@ -24,7 +24,7 @@ schedule, indexing and epilogue math are proven by `emulate.py` against the refe
 from functools import cache
 
 from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
-from gcmoe_core.kernel_helpers import bits_to_f32, cvt_e4m3x2, fp8_pow2_exponent
+from gcmoe_core.kernel_helpers import bits_to_f32, cvt_e4m3x2, fake_epilogue_args, fp8_pow2_exponent
 
 from .config import K_TILE, MMA_M, TILE_M, Sm103Config
 
@@ -36,7 +36,7 @@ import cutlass.utils.blackwell_helpers as sm100_utils  # noqa: E402
 import cutlass.utils.blockscaled_layout as blockscaled_utils  # noqa: E402
 from cutlass import runtime as crt  # noqa: E402
 from cutlass.cute.nvgpu import OperandMajorMode, tcgen05  # noqa: E402
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor  # noqa: E402
+from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
 
 Int32, Float32 = cutlass.Int32, cutlass.Float32
 SF_VEC = 32
@@ -526,14 +526,7 @@ def compiled(mode: str, m: int, k: int, cfg: Sm103Config = DEFAULT_CONFIG, arch:
     x_sf = make_fake_compact_tensor(cutlass.Uint8, (dyn(),), assumed_align=128)
     offs = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)
     cnt = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)
-    if mode == "w1":
-        ep_a = make_fake_compact_tensor(Float32, (dyn(),), assumed_align=4)
-        ep_b = make_fake_compact_tensor(cutlass.Uint8, (dyn(), m // 2), stride_order=(1, 0), assumed_align=16)
-        ep_c = make_fake_compact_tensor(Float32, (m // TILE_M, dyn()), stride_order=(1, 0), assumed_align=4)
-    else:
-        ep_a = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)
-        ep_b = make_fake_compact_tensor(cutlass.BFloat16, (dyn(), m), stride_order=(1, 0), assumed_align=16)
-        ep_c = make_fake_tensor(Float32, (1,), stride=(1,))
+    ep_a, ep_b, ep_c = fake_epilogue_args(mode, m)
     kern = GroupedGemmSm103(mode, m, k, cfg)
     return compile_kernel(
         kern,

@@ -32,7 +32,7 @@ Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
 from functools import cache
 
 from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
-from gcmoe_core.kernel_helpers import bits_to_f32, cvt_e4m3x2, fp8_pow2_exponent
+from gcmoe_core.kernel_helpers import bits_to_f32, cvt_e4m3x2, fake_epilogue_args, fp8_pow2_exponent
 
 from .config import Sm90Config
 from .kernel_decode import decode8
@@ -449,14 +449,7 @@ def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
     offs = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)
     cnt = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)
     lut = make_fake_compact_tensor(Int32, (32,), assumed_align=16)
-    if mode == "w1":
-        ep_a = make_fake_compact_tensor(Float32, (dyn(),), assumed_align=4)  # rw
-        ep_b = make_fake_compact_tensor(cutlass.Uint8, (dyn(), m // 2), stride_order=(1, 0), assumed_align=16)
-        ep_c = make_fake_compact_tensor(Float32, (m // TILE_M, dyn()), stride_order=(1, 0), assumed_align=4)
-    else:
-        ep_a = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)  # dst
-        ep_b = make_fake_compact_tensor(cutlass.BFloat16, (dyn(), m), stride_order=(1, 0), assumed_align=16)
-        ep_c = make_fake_compact_tensor(Float32, (1,), assumed_align=4)  # unused
+    ep_a, ep_b, ep_c = fake_epilogue_args(mode, m)
     kern = GroupedGemmSm90(mode, m, k, cfg)
     return compile_kernel(
         kern,
