@@ -51,17 +51,6 @@ class RingSpec:
     def blocks(self) -> int:
         return self.capacity // self.bm
 
-    def bytes_per_rank(self) -> dict[str, int]:
-        """Symmetric-memory bytes of one rank's workspace, per buffer."""
-        h, cap, t, k = self.hidden, self.capacity, self.max_tokens, self.top_k
-        return {
-            "published_x": t * h + t * (h // 128) * 4,  # own FP8 tokens + scales (peers pull them)
-            "published_routing": t * k * 8,  # ids int32 + weights fp32
-            "ring_rows": cap * h + cap * (h // 128) * 4 + cap * 4 + cap * 12,  # x, sxT, route_w, src
-            "ring_signals": self.blocks * 8 + self.ranks * 8 + 2 * 4 + 8,  # full tags, ready, recv[2], error word
-            "combine": t * k * h * 2,
-        }
-
 
 @dataclass
 class RingRows:

@@ -21,6 +21,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "GCMOE_CHECK_VALUES", "1", "0: skip the device-read value checks (ids range, finite weights) in eager calls"
     ),
+    EnvVar(
+        "GCMOE_COMM_TIMEOUT_MS",
+        "5000",
+        "bound on every cross-rank wait in the comm kernels; on expiry the kernel records rank, counter and "
+        "generation and the host raises CommError",
+    ),
 )
 _BY_NAME = {v.name: v for v in ENV_VARS}
 

@@ -1,0 +1,108 @@
+"""P virtual ranks in one process on one GPU: the cross-rank protocol exercised without several GPUs.
+
+    vr = VirtualRanks(spec, "cuda", dispatch_ctas=8)    # P workspaces, P CommRanks, P streams
+    vr.step(xs, ids, ws, outs, shared)                  # every rank's call, ranks' kernels concurrent on their streams
+    g, _ = capture_graph(lambda: vr.step(...))          # ... and as one CUDA graph (P forked branches)
+
+Each rank's buffers are separate allocations and each rank's peer table points at the others', so dispatch pulls
+and the W2 scatter cross "rank" boundaries exactly as they would across GPUs (over HBM instead of NVLink). The
+compute between dispatch and combined is a stand-in for W1/W2 with the same data movement (`scatter_stand_in`):
+every valid ring row becomes one bf16 row, a fixed elementwise function of its payload and expert, written to its
+source rank's combine buffer at row token * k + slot. `stand_in_slot_rows` is the same function computed straight
+from the source rank's tokens, so comparing the two checks dispatch, scatter and finalize bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gcmoe_core.formats import quantize_fp8_e4m3_1x128
+
+from .comm import CommRank
+from .ring import RingSpec
+from .workspace import Workspace
+
+
+def _stand_in(x_fp32: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The stand-in expert: bf16((x * (expert + 1)) * weight), rows independent (fp32, fixed op order)."""
+    return ((x_fp32 * (expert.float() + 1.0).unsqueeze(-1)) * weight.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def stand_in_slot_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """What the stand-in must deliver to a source rank: bf16 [T, k, H], from its own tokens."""
+    q, s = quantize_fp8_e4m3_1x128(x)
+    xf = q.float() * s.repeat_interleave(128, dim=1)
+    t, k = topk_ids.shape
+    return _stand_in(xf.unsqueeze(1).expand(t, k, -1), topk_ids, topk_weights.float())
+
+
+def scatter_stand_in(ws: Workspace, all_ws: list[Workspace]) -> None:
+    """W1/W2 stand-in on rank ws.rank: ring rows -> rows of the source ranks' combine buffers (capturable)."""
+    v, s = ws.views, ws.spec
+    cap = s.capacity
+    rows = torch.arange(cap, device=v.ring_x.device, dtype=torch.int32)
+    expert = torch.searchsorted(v.ring_offsets[1:], rows, right=True) + ws.rank * s.local_experts
+    xf = v.ring_x.view(torch.float8_e4m3fn).float() * v.ring_sxT.t().repeat_interleave(128, dim=1)
+    y = _stand_in(xf, expert, v.ring_w)
+    src = v.ring_src.long()
+    valid = (src[:, 0] >= 0) & (rows < v.ring_offsets[-1])  # rows past the last block hold stale data
+    for q, peer in enumerate(all_ws):
+        dst = torch.where(valid & (src[:, 0] == q), src[:, 1] * s.top_k + src[:, 2], peer.views.sink_row)
+        peer.views.combine.index_copy_(0, dst, y)
+
+
+class VirtualRanks:
+    """P ranks of one ring spec on one device, each with its own stream."""
+
+    def __init__(self, spec: RingSpec, device, **comm_kwargs):
+        self.spec = spec
+        self.ws = Workspace.virtual(spec, device)
+        self.ranks = [CommRank(w, **comm_kwargs) for w in self.ws]
+        self.streams = [torch.cuda.Stream(device=device) for _ in self.ws]
+
+    def step(
+        self,
+        xs: list[torch.Tensor],
+        topk_ids: list[torch.Tensor],
+        topk_weights: list[torch.Tensor],
+        outs: list[torch.Tensor],
+        shared_rows: list[torch.Tensor] | None = None,
+        silent: frozenset[int] = frozenset(),
+        poison: bool = True,
+    ) -> None:
+        """One layer call on every rank (ranks in `silent` do nothing: a dead peer). poison: NaN-fill each rank's
+        combine buffer and ring first (on its own stream, before its READY), so a row nobody wrote shows."""
+        main = torch.cuda.current_stream(self.ws[0].buf.device)
+        live = [r for r in range(len(self.ranks)) if r not in silent]
+        for stream in self.streams:
+            stream.wait_stream(main)
+
+        def each(fn):  # phase by phase over the live ranks, each on its own stream
+            for r in live:
+                with torch.cuda.stream(self.streams[r]):
+                    fn(r, self.ranks[r])
+
+        def publish(r, rank):
+            if poison:
+                rank.ws.views.combine.fill_(float("nan"))
+                rank.ws.views.ring_x.fill_(0x7F)  # E4M3 NaN
+                rank.ws.views.ring_src.fill_(-7)
+            rank.publish(xs[r], topk_ids[r], topk_weights[r])
+
+        # Enqueued phase by phase, so every rank's READY is enqueued before any dispatch spins on it: in ONE process
+        # a kernel's first launch may load its module, and CUDA's lazy loading can wait for running kernels — a
+        # spinning dispatch whose peer's READY sits behind such a load would wait out its bound.
+        each(publish)
+        each(lambda r, rank: rank.dispatch())
+        each(lambda r, rank: scatter_stand_in(rank.ws, self.ws))
+        each(lambda r, rank: rank.combined())
+        each(lambda r, rank: rank.finalize(outs[r], None if shared_rows is None else shared_rows[r]))
+        for stream in self.streams:
+            main.wait_stream(stream)
+
+    def check(self) -> None:
+        for w in self.ws:
+            w.check()
+
+    def recover(self) -> None:
+        self.ws[0].recover()

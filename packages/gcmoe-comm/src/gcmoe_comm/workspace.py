@@ -1,0 +1,224 @@
+"""One rank's communication workspace: a single byte buffer carved into the published tokens, the token ring, the
+signals and the combine buffer, and the peer address table the kernels get by value.
+
+    spec = RingSpec.from_config(cfg, bm=16)
+    wss = Workspace.virtual(spec, device)          # P virtual ranks on one GPU: P separate buffers (tests, benches)
+    ws = Workspace.symmetric(spec, group)          # one rank of P processes: PyTorch symmetric memory (P may be 1)
+    ws.views                                       # torch views of this rank's buffers (WorkspaceViews)
+    ws.peers                                       # base address of every rank's workspace, rank order
+    ws.check()                                     # raises CommError when a kernel's bounded wait expired
+    ws.recover()                                   # zero the signals (every rank, between a fault and the next call)
+
+Every rank's workspace has the same layout (WorkspaceLayout, byte offsets from the base), so one base address per
+rank is the whole peer table. Signal words (uint32, start of the buffer; each group in its own 128-byte line):
+
+    GEN      this rank's call generation g (the ready kernel advances it; never reset between replays)
+    READY    g once this rank's tokens, ids and weights for call g are published (peers acquire it before pulling)
+    NTOK     this rank's token count in call g (published with READY)
+    DONE     finalize CTAs that finished call g (the last one resets the receive counter it consumed)
+    ERR      code, kind, rank, generation, value seen — written once by the first wait that timed out
+    RECV     two receive counters, parity g & 1: each peer adds 1 after its W2 rows for call g landed here
+    L1_FULL  per ring block: the generation whose dispatch filled it (W1 acquires it; no reset pass)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ring import RingSpec
+
+SIG_GEN, SIG_READY, SIG_NTOK = 0, 32, 33
+SIG_DONE = 64
+SIG_ERR = 96  # 5 words
+SIG_RECV = 128  # 2 words
+SIG_L1_FULL = 160
+ERR_WORDS = 5
+ERR_KINDS = {1: "ready tag (its tokens for this call were never published)", 2: "receive counter"}
+
+
+class CommError(RuntimeError):
+    """A bounded wait in a gcmoe-comm kernel expired: names the rank, counter and generation it waited on."""
+
+
+def _align(n: int, a: int = 128) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Byte offsets of every buffer inside one rank's workspace (identical on every rank)."""
+
+    spec: RingSpec
+
+    def __post_init__(self):
+        s = self.spec
+        if s.hidden % 128:
+            raise ValueError(f"WorkspaceLayout: hidden {s.hidden} must be a multiple of 128 (FP8 1x128 scales)")
+        sizes = {
+            "signals": (SIG_L1_FULL + s.blocks) * 4,
+            "pub_x": s.max_tokens * s.hidden,
+            "pub_sx": s.max_tokens * (s.hidden // 128) * 4,
+            "pub_ids": s.max_tokens * s.top_k * 4,
+            "pub_w": s.max_tokens * s.top_k * 4,
+            "ring_x": s.capacity * s.hidden,
+            "ring_sxT": (s.hidden // 128) * s.capacity * 4,
+            "ring_w": s.capacity * 4,
+            "ring_src": s.capacity * 3 * 4,
+            "ring_offsets": (s.local_experts + 1) * 4,
+            "ring_counts": s.local_experts * 4,
+            "combine": (s.max_tokens * s.top_k + 1) * s.hidden * 2,  # + 1 sink row for masked scatters
+        }
+        offsets, at = {}, 0
+        for name, n in sizes.items():
+            offsets[name] = at
+            at += _align(n)
+        object.__setattr__(self, "offsets", offsets)
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "nbytes", at)
+
+    def __getitem__(self, name: str) -> int:
+        return self.offsets[name]
+
+
+@dataclass
+class WorkspaceViews:
+    """Torch views of one rank's workspace."""
+
+    signals: torch.Tensor  # int32 [SIG_L1_FULL + blocks]
+    pub_x: torch.Tensor  # uint8 [T_max, H]  (FP8 E4M3 bits)
+    pub_sx: torch.Tensor  # fp32 [T_max, H/128]
+    pub_ids: torch.Tensor  # int32 [T_max, k]
+    pub_w: torch.Tensor  # fp32 [T_max, k]
+    ring_x: torch.Tensor  # uint8 [capacity, H]
+    ring_sxT: torch.Tensor  # fp32 [H/128, capacity]
+    ring_w: torch.Tensor  # fp32 [capacity]
+    ring_src: torch.Tensor  # int32 [capacity, 3]
+    ring_offsets: torch.Tensor  # int32 [E/P + 1]
+    ring_counts: torch.Tensor  # int32 [E/P]
+    combine: torch.Tensor  # bf16 [T_max * k + 1, H]: row t * k + j, then one sink row (SINK_ROW) that
+    # a scatter may aim its padding rows at instead of branching; finalize never reads it
+
+    @property
+    def l1_full(self) -> torch.Tensor:
+        return self.signals[SIG_L1_FULL:]
+
+    @property
+    def sink_row(self) -> int:
+        return self.combine.shape[0] - 1
+
+
+def _views(buf: torch.Tensor, lay: WorkspaceLayout) -> WorkspaceViews:
+    s = lay.spec
+    h, hs, cap, t, k = s.hidden, s.hidden // 128, s.capacity, s.max_tokens, s.top_k
+
+    def part(name, dtype, shape):
+        n = lay.sizes[name]
+        return buf[lay[name] : lay[name] + n].view(dtype).view(shape)
+
+    return WorkspaceViews(
+        signals=part("signals", torch.int32, (-1,)),
+        pub_x=part("pub_x", torch.uint8, (t, h)),
+        pub_sx=part("pub_sx", torch.float32, (t, hs)),
+        pub_ids=part("pub_ids", torch.int32, (t, k)),
+        pub_w=part("pub_w", torch.float32, (t, k)),
+        ring_x=part("ring_x", torch.uint8, (cap, h)),
+        ring_sxT=part("ring_sxT", torch.float32, (hs, cap)),
+        ring_w=part("ring_w", torch.float32, (cap,)),
+        ring_src=part("ring_src", torch.int32, (cap, 3)),
+        ring_offsets=part("ring_offsets", torch.int32, (s.local_experts + 1,)),
+        ring_counts=part("ring_counts", torch.int32, (s.local_experts,)),
+        combine=part("combine", torch.bfloat16, (t * k + 1, h)),
+    )
+
+
+class Workspace:
+    """One rank's workspace and the peer table. Build with Workspace.virtual or Workspace.symmetric."""
+
+    def __init__(self, spec: RingSpec, rank: int, buf: torch.Tensor, peers: tuple[int, ...], group=None):
+        if len(peers) != spec.ranks:
+            raise ValueError(f"Workspace: {len(peers)} peer addresses for P = {spec.ranks} ranks")
+        if not 0 <= rank < spec.ranks:
+            raise ValueError(f"Workspace: rank {rank} outside [0, {spec.ranks})")
+        self.layout = WorkspaceLayout(spec)
+        if buf.dtype != torch.uint8 or buf.numel() < self.layout.nbytes:
+            raise ValueError(
+                f"Workspace: buffer must be uint8 with >= {self.layout.nbytes} bytes, got {buf.dtype} {buf.numel()}"
+            )
+        self.spec, self.rank, self.buf, self.peers, self.group = spec, rank, buf, peers, group
+        self.views = _views(buf, self.layout)
+        self._siblings: list[Workspace] = [self]
+
+    @property
+    def base(self) -> int:
+        return self.peers[self.rank]
+
+    @classmethod
+    def virtual(cls, spec: RingSpec, device: torch.device | str) -> list[Workspace]:
+        """P ranks in this process on one device: separate buffers, each rank's peer table pointing at the others'.
+        The signals start zeroed; the data regions are left uninitialised."""
+        lay = WorkspaceLayout(spec)
+        bufs = [torch.empty(lay.nbytes, dtype=torch.uint8, device=device) for _ in range(spec.ranks)]
+        peers = tuple(b.data_ptr() for b in bufs)
+        wss = [cls(spec, r, b, peers) for r, b in enumerate(bufs)]
+        for ws in wss:
+            ws._siblings = wss
+            ws.views.signals.zero_()
+        return wss
+
+    @classmethod
+    def symmetric(cls, spec: RingSpec, group=None) -> Workspace:
+        """This process's rank of a torch.distributed group (world size P = spec.ranks, one GPU per process), its
+        buffer from PyTorch symmetric memory. Collective: every rank of the group calls it."""
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = group or dist.group.WORLD
+        world = dist.get_world_size(group)
+        if world != spec.ranks:
+            raise ValueError(f"Workspace.symmetric: group has {world} ranks, the ring spec says P = {spec.ranks}")
+        lay = WorkspaceLayout(spec)
+        buf = symm_mem.empty(lay.nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+        handle = symm_mem.rendezvous(buf, group.group_name)
+        ws = cls(spec, handle.rank, buf, tuple(int(p) for p in handle.buffer_ptrs), group)
+        ws._handle = handle  # keeps the peers' mappings alive
+        ws.views.signals.zero_()
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        return ws
+
+    def error(self) -> str | None:
+        """The recorded wait failure of this rank, in words, or None (reads the device: one sync)."""
+        err = self.views.signals[SIG_ERR : SIG_ERR + ERR_WORDS].tolist()
+        if err[0] == 0:
+            return None
+        _code, kind, rank, gen, seen = err
+        what = ERR_KINDS.get(kind, f"counter kind {kind}")
+        want = f"generation {gen}" if kind == 1 else f"{self.spec.ranks} arrivals for generation {gen}"
+        return (
+            f"gcmoe-comm rank {self.rank}: timed out waiting on rank {rank}'s {what}: wanted {want}, saw {seen}. "
+            "The call's outputs are invalid; every rank must call recover() before the next call"
+        )
+
+    def check(self) -> None:
+        msg = self.error()
+        if msg is not None:
+            raise CommError(msg)
+
+    def recover(self) -> None:
+        """Zero the signals so the ranks restart from generation 0. Collective: with virtual ranks it resets every
+        sibling; with symmetric memory every process calls it (it synchronises the device and the group)."""
+        torch.cuda.synchronize(self.buf.device) if self.buf.is_cuda else None
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.barrier(self.group)
+            self.views.signals.zero_()
+            torch.cuda.synchronize(self.buf.device)
+            dist.barrier(self.group)
+        else:
+            for ws in self._siblings:
+                ws.views.signals.zero_()
+            if self.buf.is_cuda:
+                torch.cuda.synchronize(self.buf.device)

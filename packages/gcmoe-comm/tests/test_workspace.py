@@ -1,0 +1,135 @@
+"""Workspace layout, views, the host-side checks of CommRank, and the error words (CPU)."""
+
+import itertools
+
+import pytest
+import torch
+
+from gcmoe_comm.comm import CommRank
+from gcmoe_comm.ring import RingSpec
+from gcmoe_comm.workspace import SIG_ERR, SIG_L1_FULL, CommError, Workspace, WorkspaceLayout
+from gcmoe_core.config import MoEConfig
+
+SPEC = RingSpec(ranks=2, local_experts=4, hidden=256, top_k=2, max_tokens=16, bm=8)
+
+
+def test_layout_aligned_disjoint_and_sized():
+    cfg = MoEConfig.from_model("deepseek-v3", ep_size=8, max_tokens_per_rank=256)
+    spec = RingSpec.from_config(cfg, bm=16)
+    lay = WorkspaceLayout(spec)
+    spans = sorted((lay[n], lay[n] + lay.sizes[n], n) for n in lay.offsets)
+    for (_a0, a1, an), (b0, _, bn) in itertools.pairwise(spans):
+        assert a1 <= b0, f"{an} overlaps {bn}"
+    assert all(off % 128 == 0 for off in lay.offsets.values())
+    assert spans[-1][1] <= lay.nbytes
+    assert lay.sizes["ring_x"] == spec.capacity * 7168
+    assert lay.sizes["combine"] == (256 * 8 + 1) * 7168 * 2
+    assert lay.sizes["signals"] == (SIG_L1_FULL + spec.blocks) * 4
+
+
+def test_views_cover_their_buffers_exactly():
+    wss = Workspace.virtual(SPEC, "cpu")
+    assert len(wss) == 2 and wss[0].peers == wss[1].peers and wss[1].base == wss[1].buf.data_ptr()
+    v = wss[0].views
+    lay = wss[0].layout
+    for name in lay.offsets:
+        t = getattr(v, name)
+        assert t.data_ptr() - wss[0].buf.data_ptr() == lay[name]
+        assert t.numel() * t.element_size() == lay.sizes[name]
+    assert v.ring_sxT.shape == (2, SPEC.capacity) and v.combine.shape == (16 * 2 + 1, 256)
+    assert v.sink_row == 32 and v.l1_full.numel() == SPEC.blocks
+    assert int(v.signals.abs().sum()) == 0
+
+
+def test_error_words_become_a_clear_error_and_recover_clears_them():
+    wss = Workspace.virtual(SPEC, "cpu")
+    wss[0].check()  # no error recorded
+    wss[0].views.signals[SIG_ERR : SIG_ERR + 5] = torch.tensor([1, 1, 1, 7, 6], dtype=torch.int32)
+    with pytest.raises(CommError, match=r"rank 0: timed out waiting on rank 1's ready tag.*generation 7, saw 6"):
+        wss[0].check()
+    wss[1].views.signals[SIG_ERR : SIG_ERR + 5] = torch.tensor([1, 2, 1, 3, 1], dtype=torch.int32)
+    with pytest.raises(CommError, match=r"rank 1's receive counter: wanted 2 arrivals for generation 3, saw 1"):
+        wss[1].check()
+    wss[1].recover()  # virtual ranks: resets every sibling
+    wss[0].check(), wss[1].check()
+
+
+def test_workspace_argument_errors():
+    buf = torch.empty(WorkspaceLayout(SPEC).nbytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="1 peer addresses for P = 2"):
+        Workspace(SPEC, 0, buf, (0,))
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        Workspace(SPEC, 2, buf, (0, 0))
+    with pytest.raises(ValueError, match="buffer must be uint8"):
+        Workspace(SPEC, 0, buf[:100], (0, 0))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        WorkspaceLayout(RingSpec(1, 4, 200, 2, 16, 8))
+
+
+@pytest.fixture
+def rank():
+    return CommRank(Workspace.virtual(SPEC, "cpu")[0], timeout_ms=10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"dispatch_ctas": 0}, "dispatch_ctas = 0"),
+        ({"finalize_ctas": 2000}, "finalize_ctas = 2000"),
+        ({"shared_rows": -1}, "shared_rows = -1"),
+        ({"timeout_ms": 0}, "timeout 0 ms"),
+    ],
+)
+def test_comm_rank_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CommRank(Workspace.virtual(SPEC, "cpu")[0], **kwargs)
+
+
+def test_comm_rank_refuses_routing_that_does_not_fit_shared_memory():
+    big = RingSpec(ranks=8, local_experts=32, hidden=7168, top_k=8, max_tokens=2048, bm=16)
+    with pytest.raises(ValueError, match="lower max_tokens_per_rank"):
+        CommRank.validate_spec(big)
+    CommRank.validate_spec(RingSpec(ranks=8, local_experts=32, hidden=7168, top_k=8, max_tokens=256, bm=16))
+
+
+def test_timeout_from_environment(monkeypatch):
+    monkeypatch.setenv("GCMOE_COMM_TIMEOUT_MS", "250")
+    assert CommRank(Workspace.virtual(SPEC, "cpu")[0]).timeout_ns == 250_000_000
+    monkeypatch.setenv("GCMOE_COMM_TIMEOUT_MS", "soon")
+    with pytest.raises(ValueError, match="not an integer"):
+        CommRank(Workspace.virtual(SPEC, "cpu")[0])
+
+
+def _args(t=4, h=256, k=2):
+    return torch.randn(t, h).to(torch.bfloat16), torch.zeros(t, k, dtype=torch.int32), torch.ones(t, k)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda a: (a[0].float(), a[1], a[2]), "x must be bf16"),
+        (lambda a: (a[0][:, :128], a[1], a[2]), "x must be bf16"),
+        (lambda a: _args(t=17), "exceeds the workspace's max_tokens_per_rank = 16"),
+        (lambda a: (a[0], a[1][:, :1], a[2]), "topk_ids must be int32/int64"),
+        (lambda a: (a[0], a[1].float(), a[2]), "topk_ids must be int32/int64"),
+        (lambda a: (a[0], a[1], a[2].int()), "topk_weights must be floating"),
+        (lambda a: (a[0], a[1], a[2][:3]), "topk_weights must be floating"),
+    ],
+)
+def test_publish_argument_errors(rank, change, match):
+    with pytest.raises(ValueError, match=match):
+        rank.publish(*change(_args()))
+
+
+def test_finalize_argument_errors(rank):
+    rank._ntok = 4
+    with pytest.raises(ValueError, match=r"out must be contiguous bf16 \[4, 256\]"):
+        rank.finalize(torch.empty(4, 256))
+    with pytest.raises(ValueError, match=r"out must be contiguous bf16"):
+        rank.finalize(torch.empty(256, 4, dtype=torch.bfloat16).t())
+    with pytest.raises(ValueError, match="built with shared_rows=0"):
+        rank.finalize(torch.empty(4, 256, dtype=torch.bfloat16), torch.empty(4, 1, 256, dtype=torch.bfloat16))
+    shared = CommRank(rank.ws, shared_rows=1, timeout_ms=10)
+    shared._ntok = 4
+    with pytest.raises(ValueError, match=r"shared_rows must be bf16 \(4, 1, 256\)"):
+        shared.finalize(torch.empty(4, 256, dtype=torch.bfloat16))
