@@ -54,9 +54,13 @@ def scatter_stand_in(ws: Workspace, all_ws: list[Workspace]) -> None:
 class VirtualRanks:
     """P ranks of one ring spec on one device, each with its own stream."""
 
-    def __init__(self, spec: RingSpec, device, **comm_kwargs):
+    def __init__(self, spec: RingSpec, device, workspaces: list[Workspace] | None = None, **comm_kwargs):
+        """workspaces: the ranks' workspaces if already built (e.g. [Workspace.symmetric(spec)] for the one rank
+        of a world-size-1 group); by default Workspace.virtual(spec, device)."""
         self.spec = spec
-        self.ws = Workspace.virtual(spec, device)
+        self.ws = workspaces if workspaces is not None else Workspace.virtual(spec, device)
+        if len(self.ws) != spec.ranks:
+            raise ValueError(f"VirtualRanks: {len(self.ws)} workspaces for P = {spec.ranks}")
         self.ranks = [CommRank(w, **comm_kwargs) for w in self.ws]
         self.streams = [torch.cuda.Stream(device=device) for _ in self.ws]
 
