@@ -15,13 +15,16 @@ VARIANTS = [
     ("w1", 4096, 7168, Sm90Config(16, 4, 4)),
     ("w1", 4096, 4096, Sm90Config(32, 4, 2)),
     ("w2", 7168, 2048, Sm90Config(32, 4, 2)),
+    ("w1", 4096, 7168, Sm90Config(8, 4, 2, 2)),  # the chosen small-T configuration: 2 CTAs/SM, <= 128 registers
+    ("w2", 7168, 2048, Sm90Config(16, 4, 2, 2)),
+    ("w1", 4096, 7168, Sm90Config(8, 4, 2, 2, smem_scales=False)),  # the v2 ablation
 ]
 
 
 @pytest.mark.parametrize(
     ("mode", "m", "k", "cfg"),
     VARIANTS,
-    ids=lambda v: str(v) if not hasattr(v, "n_tile") else f"n{v.n_tile}p{v.prefetch}",
+    ids=lambda v: str(v) if not hasattr(v, "n_tile") else f"n{v.n_tile}p{v.prefetch}o{v.occupancy}s{v.smem_scales:d}",
 )
 def test_grouped_kernel_sass(mode, m, k, cfg):
     from gcmoe_gemm_sm90.kernel_grouped import compiled
@@ -35,3 +38,4 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
     assert "LDG.E.128" in ops and "PRMT" in ops and "UTMALDG.2D" in ops
     assert not {o.split(".")[0] for o in ops} & {"LDL", "STL"}, "local-memory spills"
     assert kern.resources()["LOCAL"] == 0 and kern.resources()["STACK"] == 0
+    assert kern.resources()["REG"] <= (128 if cfg.occupancy == 2 else 255)

@@ -25,10 +25,11 @@ def _dequant_rows(hq, hsT):
     return (hq.view(torch.float8_e4m3fn).float().view(-1, k, 128) * hsT.t().unsqueeze(-1)).view(hq.shape[0], -1)
 
 
+@pytest.mark.parametrize("smem_scales", [True, False], ids=["smem-scales", "global-scales"])
 @pytest.mark.parametrize("n_tile", [8, 16, 32])
 @pytest.mark.parametrize("routing", ["uniform", "one_expert", "half_empty"])
-def test_w1_then_w2_match_models(n_tile, routing):
-    cfg = Sm90Config(n_tile=n_tile, stages=3, prefetch=2)
+def test_w1_then_w2_match_models(n_tile, routing, smem_scales):
+    cfg = Sm90Config(n_tile=n_tile, stages=3, prefetch=2, smem_scales=smem_scales)
     routed = SMALL.replace(num_shared_experts=0)  # the kernels alone: routed experts only
     x, ids, w, weights, _ = make_problem(Case(routed, 37, routing, seed=n_tile), device="cuda")
     moe = MoESm90.from_weights(weights, cfg)

@@ -105,11 +105,17 @@ class GroupedGemmSm90:
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             lut: cute.struct.MemRange[Int32, 32]
             red: cute.struct.MemRange[Float32, 8 * self.n]
+            ssx: cute.struct.MemRange[Float32, self.windows * self.n if self.cfg.smem_scales else 1]
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
 
         self.shared = Shared
         self.kernel(wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, tiled_mma, b_smem_staged).launch(
-            grid=[self.m_tiles, num_experts, 1], block=[THREADS, 1, 1], smem=Shared.size_in_bytes(), stream=stream
+            grid=[self.m_tiles, num_experts, 1],
+            block=[THREADS, 1, 1],
+            smem=Shared.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=self.cfg.occupancy,  # occupancy 2 caps the registers at 128 (65536 / (2 * 256))
+            preferred_smem_carveout=100,  # (also keeps the DSL from querying a device at compile time)
         )
 
     @cute.kernel
@@ -148,6 +154,8 @@ class GroupedGemmSm90:
         st = smem.allocate(self.shared)
         slut = st.lut.get_tensor(cute.make_layout(32))
         sred = st.red.get_tensor(cute.make_layout((n_tile, 8)))  # [token column, warp 0..7]
+        ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1)) if self.cfg.smem_scales else cute.make_layout(1)
+        ssx = st.ssx.get_tensor(ssx_layout)  # [window, token column] of the current N tile
         sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
 
         if warp_idx == 0:
@@ -223,6 +231,16 @@ class GroupedGemmSm90:
             acc0.fill(0.0)
             acc1.fill(0.0)
             col_base = nt * n_tile
+            if cutlass.const_expr(self.cfg.smem_scales):
+                # the tile's activation scales, every window, into shared memory once: no global-load latency
+                # inside the window loop (the previous tile's readers are past the first barrier)
+                cute.arch.barrier()
+                for r in cutlass.range_constexpr(-(-nw * n_tile // THREADS)):
+                    i = tidx + THREADS * r
+                    if i < nw * n_tile:
+                        wi = i // n_tile
+                        ssx[wi, i - wi * n_tile] = sxT[wi, row_base + col_base + i - wi * n_tile]
+                cute.arch.barrier()
             # prologue: the first `depth` windows of weights and scales
             for j in cutlass.range_constexpr(depth):
                 self.load_window(wq, ws, abuf, sbuf, blk0 + j, wg, tw, srow0, j)
@@ -246,12 +264,13 @@ class GroupedGemmSm90:
                                 pipe.producer_commit(prod)
                                 prod.advance()
                                 issued += 1
-                        self.promote(acc0, accw0, prev_rs, prev_sx, 0)
-                        self.promote(acc1, accw1, prev_rs, prev_sx, 1)
-                    # activation scales of this window's token columns
-                    for c in cutlass.range_constexpr(ncol):
-                        col = 2 * t0 + (c % 2) + 8 * (c // 2)
-                        cur_sx[c] = sxT[w, row_base + col_base + col]
+                        self.promote(acc0, accw0, prev_rs, prev_sx, ssx, w - 1, t0, 0)
+                        self.promote(acc1, accw1, prev_rs, prev_sx, ssx, w - 1, t0, 1)
+                    if cutlass.const_expr(not self.cfg.smem_scales):
+                        # activation scales of this window's token columns (v2: a global load per window)
+                        for c in cutlass.range_constexpr(ncol):
+                            col = 2 * t0 + (c % 2) + 8 * (c // 2)
+                            cur_sx[c] = sxT[w, row_base + col_base + col]
                     # decode this window's weights into the A fragments, remember its row scales
                     for s in cutlass.range_constexpr(2):
                         fw = fw0 if s == 0 else fw1
@@ -269,8 +288,9 @@ class GroupedGemmSm90:
                             fw[4 * step + 3] = a3
                         for u in cutlass.range_constexpr(2):
                             prev_rs[u, s] = bits_to_f32((sbuf[u, s, j] & 0xFF) << 23)
-                    for c in cutlass.range_constexpr(ncol):
-                        prev_sx[c] = cur_sx[c]
+                    if cutlass.const_expr(not self.cfg.smem_scales):
+                        for c in cutlass.range_constexpr(ncol):
+                            prev_sx[c] = cur_sx[c]
                     # refill this slot with window w + depth (same N tile)
                     if w + depth < nw:
                         self.load_window(wq, ws, abuf, sbuf, blk0 + w + depth, wg, tw, srow0, j)
@@ -302,8 +322,8 @@ class GroupedGemmSm90:
                     pipe.producer_commit(prod)
                     prod.advance()
                     issued += 1
-            self.promote(acc0, accw0, prev_rs, prev_sx, 0)
-            self.promote(acc1, accw1, prev_rs, prev_sx, 1)
+            self.promote(acc0, accw0, prev_rs, prev_sx, ssx, nw - 1, t0, 0)
+            self.promote(acc1, accw1, prev_rs, prev_sx, ssx, nw - 1, t0, 1)
             if cutlass.const_expr(self.is_w1):
                 self.epilogue_w1(
                     acc0,
@@ -344,10 +364,25 @@ class GroupedGemmSm90:
                 sbuf[u, s, slot] = ws[blk, srow0 + 64 * s + 8 * u]
 
     @cute.jit
-    def promote(self, acc: cute.Tensor, accw: cute.Tensor, rs: cute.Tensor, sx: cute.Tensor, s: cutlass.Constexpr):
+    def promote(
+        self,
+        acc: cute.Tensor,
+        accw: cute.Tensor,
+        rs: cute.Tensor,
+        sx: cute.Tensor,
+        ssx: cute.Tensor,
+        w: Int32,
+        t0: Int32,
+        s: cutlass.Constexpr,
+    ):
+        """acc += accw * 2^base[row] * sx[token] for window w (scales from shared memory, or v2's registers)."""
         for i in cutlass.range_constexpr(cute.size(acc)):
             v0, v1, q = i % 2, (i // 2) % 2, i // 4
-            acc[i] = acc[i] + accw[i] * (rs[v1, s] * sx[v0 + 2 * q])
+            if cutlass.const_expr(self.cfg.smem_scales):
+                tok_scale = ssx[w, 2 * t0 + v0 + 8 * q]
+            else:
+                tok_scale = sx[v0 + 2 * q]
+            acc[i] = acc[i] + accw[i] * (rs[v1, s] * tok_scale)
 
     @cute.jit
     def epilogue_w1(

@@ -1,0 +1,38 @@
+"""One DeepSeek-V3-shaped EP8 rank's W1 and W2 launches, for Nsight Compute (where the sm90 kernels' time goes).
+
+    ncu --kernel-name regex:cutlass --launch-skip 2 --launch-count 2 --section SpeedOfLight \
+        --section WarpStateStats --section Occupancy python3 tools/gpu/ncu_sm90.py deepseek-v3 8
+
+Runs W1 then W2 twice (the first pair compiles and warms up; profile the second pair).
+"""
+
+import sys
+
+import torch
+
+from gcmoe_core.config import MoEConfig
+from gcmoe_core.grouping import group_rows, prepare_activations
+from gcmoe_core.testing import make_routing, make_weights
+from gcmoe_gemm_sm90.ops import MoESm90, w1, w2
+
+
+def main(model: str, tokens: int) -> None:
+    cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=max(256, tokens), num_shared_experts=0)
+    moe = MoESm90.from_weights(make_weights(cfg, seed=1, device="cuda"))
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
+    ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, "uniform", g)
+    ids, w = ids.cuda(), w.cuda()
+    kcfg = moe.config_for(tokens, cfg.top_k)
+    layout = group_rows(ids, cfg.num_experts, kcfg.n_tile)
+    acts = prepare_activations(x, w, layout, cfg.top_k)
+    out = torch.empty(ids.numel(), cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+    for _ in range(2):
+        hq, hsT = w1(moe.w13, acts, layout, kcfg)
+        w2(moe.w2, hq, hsT, layout, out, kcfg)
+    torch.cuda.synchronize()
+    print(f"{model} T={tokens} {kcfg} active experts {int(torch.unique(ids).numel())}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
