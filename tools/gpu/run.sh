@@ -7,7 +7,7 @@
 #   device call 2 (carry .gpu-wheels/b):  source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh info tests greenctx bench
 #   later calls on the warm machine:      source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh <steps>
 #
-# steps: info | tests | greenctx | bench | smoke | sm90 | sm90bench | comm | commbench | all (default: all). Each step's log and results land in $OUT.
+# steps: info | tests | greenctx | bench | smoke | sm90 | sm90bench | comm | commbench | rankbench | all (default: all). Each step's log and results land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gcmoe-gpu-out}
@@ -31,6 +31,7 @@ run_step() {
                 -p timeout --timeout=150 --timeout-method=thread ${COMM_TEST_ARGS:-} 2>&1 | tee "$OUT/comm-tests.log"
               return "${PIPESTATUS[0]}" ;;
     commbench) python3 -m gcmoe_comm.bench --out "$OUT" 2>&1 | tail -30; return "${PIPESTATUS[0]}" ;;
+    rankbench) python3 -m gcmoe.rank_bench --out "$OUT" ${RANK_BENCH_ARGS:-} 2>&1 | tail -30; return "${PIPESTATUS[0]}" ;;
     sm90bench) python3 -m gcmoe_gemm_sm90.bench --out "$OUT" ${SM90_BENCH_ARGS:-} 2>&1 | tail -40; return "${PIPESTATUS[0]}" ;;
     all)      for s in info tests greenctx bench sm90bench; do run_step "$s" || rc=1; done ;;
     *)        echo "unknown step $1" >&2; return 2 ;;

@@ -13,6 +13,7 @@ import torch
 from gcmoe_comm.ring import RingSpec
 from gcmoe_comm.virtual import VirtualRanks, stand_in_slot_rows
 from gcmoe_comm.workspace import SIG_GEN, CommError, Workspace
+from gcmoe_core.formats import quantize_fp8_e4m3_1x128
 from gcmoe_core.multirank import dispatch_reference, quantize_tokens
 from gcmoe_core.reference import combine_slots
 from gcmoe_core.testing import make_routing
@@ -58,6 +59,9 @@ def _check_rings(wss, xs, ids, weights, gen):
         valid = src[:, 0] >= 0
         assert torch.equal(src[valid], ref.src), f"rank {q}: row order / sources"
         assert bool((src[~valid] == -1).all()), f"rank {q}: padding rows must say -1"
+        dst = v.ring_dst[:used]
+        assert torch.equal(dst[valid], ref.src[:, 1] * spec.top_k + ref.src[:, 2]), f"rank {q}: combine rows"
+        assert bool((dst[~valid] == v.sink_row).all()), f"rank {q}: padding rows must aim at the sink row"
         assert torch.equal(v.ring_x[:used][valid], ref.x_payload.view(torch.uint8)), f"rank {q}: FP8 payload"
         assert torch.equal(v.ring_sxT[:, :used][:, valid].t(), ref.x_scale), f"rank {q}: scales"
         wref = torch.stack([weights[r][t, j] for r, t, j in ref.src.tolist()]) if ref.src.numel() else None
@@ -153,3 +157,31 @@ def test_dead_peer_is_reported_and_recovery_works(p):
     _check_rings(vr.ws, xs, ids, ws, gen=1)
     for y, want in zip(outs, _expected(xs, ids, ws, shared)):
         assert torch.equal(y, want)
+
+
+def test_publish_quantises_bit_exactly_including_special_groups():
+    """The publish kernel against gcmoe_core.formats on groups that are all zero, hold a NaN or an Inf, sit near
+    the bf16 extremes, or are subnormal; routing copied as given (int64 ids, bf16 weights converted)."""
+    spec = RingSpec(1, E, H, K, TMAX, BM)
+    ws = Workspace.virtual(spec, "cuda")[0]
+    rank = VirtualRanks(spec, "cuda", [ws], timeout_ms=2000).ranks[0]
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(TMAX, H, generator=g) * torch.logspace(-30, 30, TMAX).unsqueeze(1)
+    x[0, :128] = 0.0
+    x[1, 5] = float("nan")
+    x[2, 300] = float("inf")
+    x[3, 600:700] = 3.0e38
+    x[4, :] = 1e-40  # bf16 subnormals
+    x = x.to(torch.bfloat16).cuda()
+    ids, w = make_routing(TMAX, K, E, "uniform", g)
+    ids, w = ids.long().cuda(), w.to(torch.bfloat16).cuda()
+    rank.publish(x, ids, w)
+    torch.cuda.synchronize()
+    q, s = quantize_fp8_e4m3_1x128(x)
+    v = ws.views
+    got_q = v.pub_x.view(torch.float8_e4m3fn).float()
+    both_nan = got_q.isnan() & q.float().isnan()
+    assert torch.equal(got_q[~both_nan], q.float()[~both_nan]) and bool((got_q.isnan() == q.float().isnan()).all())
+    assert torch.equal(v.pub_sx.isnan(), s.isnan()) and torch.equal(v.pub_sx[~s.isnan()], s[~s.isnan()])
+    assert torch.equal(v.pub_ids, ids.int()) and torch.equal(v.pub_w, w.float())
+    assert int(v.signals[SIG_GEN]) == 1

@@ -21,8 +21,11 @@ def _ptx_ops(ptx: str) -> Counter:
 def test_comm_kernels_compile_with_the_protocol_instructions(model, p, bm, shared):
     cfg = MoEConfig.from_model(model, ep_size=p, max_tokens_per_rank=256)
     ks = compiled(CommShape(RingSpec.from_config(cfg, bm), 16, 16, shared), "sm_90a")
-    ready, dispatch, combined, finalize = (_ptx_ops(ks[n].ptx) for n in ("ready", "dispatch", "combined", "finalize"))
+    names = ("ready", "publish", "dispatch", "combined", "finalize")
+    ready, publish, dispatch, combined, finalize = (_ptx_ops(ks[n].ptx) for n in names)
     assert ready["st.release.sys.global.u32"] == 1 and ready["fence.acq_rel.sys"] == 1  # READY = g
+    assert publish["st.release.sys.global.u32"] == 1 and publish["atom.acq_rel.gpu.global.add.u32"] == 1  # last CTA
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ks["publish"].ptx and "vote.sync.any.pred" in ks["publish"].ptx
     assert dispatch["ld.acquire.sys.global.u32"] >= 1 and dispatch["nanosleep.u32"] >= 1  # bounded wait on READY
     assert dispatch["atom.relaxed.sys.global.cas.b32"] == 1  # the error word, first failure wins
     assert dispatch["match.any.sync.b32"] == 1 and dispatch["atom.shared.add.u32"] == 1

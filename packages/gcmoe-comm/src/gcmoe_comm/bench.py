@@ -6,7 +6,7 @@ One rank (P = 1: its dispatch pulls from its own published buffer, i.e. HBM to H
 DeepSeek-V3 EP8 slice: 32 local experts, k = 8, H = 7168, uniform routing, so T tokens move T * k rows: the same rows
 a rank of P = 8 receives on average. Per partition size and token count, graph-replayed medians with a cold L2:
     dispatch      READY + dispatch kernels (routing scan, pulls, padding, L1_FULL tags); tokens published once
-    publish       the torch publish (FP8 quantisation, copies into the workspace) + READY, for reference
+    publish       the publish kernel: FP8 quantisation of the tokens + routing copy into the workspace + READY
     copy_same     torch copy of the same payload bytes (T * k rows of x + scales), on the same partition
     copy_bw       large-copy bandwidth of the partition (1 GiB, eager; bytes read + written)
 """
@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
 from gcmoe_core.testing import make_routing
-from gcmoe_core.timing import ColdL2
+from gcmoe_core.timing import time_interleaved
 
 from .comm import CommRank
 from .ring import RingSpec
@@ -37,19 +36,6 @@ def _graph_on(stream: torch.cuda.Stream, fn) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(g, stream=stream):  # nodes take the green context of the capture stream
         fn()
     return g
-
-
-def _median_us(g: torch.cuda.CUDAGraph, iters: int, flush: ColdL2) -> float:
-    times = []
-    for _ in range(iters):
-        flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def _copy_bw(stream: torch.cuda.Stream, nbytes: int = 2**30) -> float:
@@ -76,7 +62,6 @@ def run(sms_list: list[int], tokens: list[int], iters: int = 50) -> dict:
     spec = RingSpec(1, el, h, k, max(tokens), bm)
     ws = Workspace.virtual(spec, "cuda")[0]
     rank = CommRank(ws, timeout_ms=5000)
-    flush = ColdL2(torch.device("cuda"))
     g = torch.Generator().manual_seed(0)
     rows = []
     res = {"spec": spec.__dict__, "points": rows}
@@ -101,8 +86,9 @@ def run(sms_list: list[int], tokens: list[int], iters: int = 50) -> dict:
             src = torch.empty(payload, dtype=torch.uint8, device="cuda")
             dst = torch.empty_like(src)
             gc = _graph_on(part.comm_stream, lambda src=src, dst=dst: dst.copy_(src))
-            gp = _graph_on(part.comm_stream, lambda x=x, ids=ids, w=w: rank.publish(x, ids, w))  # torch publish
-            d_us, c_us = _median_us(gd, iters, flush), _median_us(gc, iters, flush)
+            gp = _graph_on(part.comm_stream, lambda x=x, ids=ids, w=w: rank.publish(x, ids, w))  # publish kernel
+            us = time_interleaved({"dispatch": gd, "copy": gc, "publish": gp}, iters)  # side by side
+            d_us, c_us = us["dispatch"], us["copy"]
             ws.check()
             rows.append(
                 {
@@ -115,7 +101,7 @@ def run(sms_list: list[int], tokens: list[int], iters: int = 50) -> dict:
                     "dispatch_gb_s": 2 * payload / (d_us * 1e-6) / 1e9,
                     "partition_copy_tb_s": bw / 1e12,
                     "dispatch_vs_copy": d_us / c_us,
-                    "publish_us": _median_us(gp, iters, flush),
+                    "publish_us": us["publish"],
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -129,11 +115,12 @@ def markdown(res: dict) -> str:
         "",
         f"torch {res['torch']}, CuTe DSL {res['cutlass_dsl']}. One rank, DeepSeek-V3 EP8 slice (32 local experts, "
         "k = 8, H = 7168), uniform routing; T tokens move T * k rows. Graph replay on the comm partition's stream, "
-        "median of 50, cold L2. `dispatch` = the READY kernel + the dispatch kernel (routing scan, pulls, padding, "
-        "L1_FULL tags); `publish` = FP8 quantisation of the tokens and copies into the workspace (torch ops) + READY. "
+        "median of 50 (variants interleaved), cold L2. `dispatch` = the READY kernel + the dispatch kernel "
+        "(routing scan, pulls, padding, "
+        "L1_FULL tags); `publish` = the publish kernel (FP8 quantisation of the tokens, routing copy, READY). "
         "Reproduce: `python -m gcmoe_comm.bench --out docs/benchmarks`.",
         "",
-        "| comm SMs | T | rows | payload MB | dispatch µs | publish (torch) µs | copy of same bytes µs | "
+        "| comm SMs | T | rows | payload MB | dispatch µs | publish µs | copy of same bytes µs | "
         "dispatch / copy | dispatch GB/s (r+w) | partition copy TB/s |",
         "|" + " --- |" * 10,
     ]

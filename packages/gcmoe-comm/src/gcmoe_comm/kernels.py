@@ -1,9 +1,9 @@
-"""The comm kernels (CuTe DSL, sm_90a and later): ready, dispatch (role1), combined, finalize (role3).
+"""The comm kernels (CuTe DSL, sm_90a and later): publish / ready, dispatch (role1), combined, finalize (role3).
 
 One call on rank r (generation g = the call count since the last recover), each kernel a node of the layer graph:
 
-    [torch] quantise x into pub_x/pub_sx, copy ids/weights into pub_ids/pub_w     (this rank's published tokens)
-    ready      1 thread: g = ++GEN; NTOK = T; release(sys) READY = g
+    publish    x -> FP8 + scales into pub_x/pub_sx, ids/weights into pub_ids/pub_w; the last CTA: g = ++GEN;
+               NTOK = T; release(sys) READY = g        (ready: the same signal alone, for buffers filled elsewhere)
     dispatch   C CTAs on the comm partition:
                  1. thread q < P acquires peer q's READY == g (bounded), reads its NTOK
                  2. every CTA: peers' ids -> smem (local expert or -1), counts[q][e] by smem atomics
@@ -12,7 +12,8 @@ One call on rank r (generation g = the call count since the last recover), each 
                  4. one warp per source rank ranks its entries 32 at a time (match.any + lanemask_lt): deterministic
                     row of every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA b mod C)
                  5. per owned block: one warp per row pulls x (16-byte loads from the peer), the scales (into the
-                    transposed sxT), the routing weight; padding rows get zeros and src = -1; then
+                    transposed sxT), the routing weight, and writes src and dst (the source rank's combine row);
+                    padding rows get zeros, src = -1 and dst = the sink row; then
                     release(gpu) L1_FULL[b] = g — the tag W1 acquires (no reset pass between calls)
     [W1, W2]   the compute partition; W2 scatters row i to rank src[i,0]'s combine row src[i,1] * k + src[i,2]
     combined   1 warp: for every rank q, atom.add.release.sys q.RECV[g & 1] += 1 (my rows for q landed)
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
+from gcmoe_core.kernel_helpers import bits_to_f32, cvt_e4m3x2, f32_to_bits, fp8_pow2_exponent
 
 from .device_ops import (
     atom_add_u32,
@@ -51,7 +53,17 @@ from .device_ops import (
     wait_until_eq,
 )
 from .ring import RingSpec
-from .workspace import SIG_DONE, SIG_ERR, SIG_GEN, SIG_L1_FULL, SIG_NTOK, SIG_READY, SIG_RECV, WorkspaceLayout
+from .workspace import (
+    SIG_DONE,
+    SIG_ERR,
+    SIG_GEN,
+    SIG_L1_FULL,
+    SIG_NTOK,
+    SIG_PUB_DONE,
+    SIG_READY,
+    SIG_RECV,
+    WorkspaceLayout,
+)
 
 cutlass, cute = cutlass_modules()
 import cuda.bindings.driver as cuda  # noqa: E402
@@ -154,20 +166,81 @@ class CommKernels:
                 a, b, cc, d = vals[c]
                 st_v4(dst + Int64(idx) * 16, a, b, cc, d)
 
-    # ---------------------------------------------------------------- ready
-    @cute.kernel
-    def k_ready(self, own: Int64, ntok: Int32):
-        tid, _, _ = cute.arch.thread_idx()
-        if tid == 0 and ld_u32(own + SIG_ERR * 4) == 0:
+    # ---------------------------------------------------------------- ready / publish
+    @cute.jit
+    def _signal_ready(self, own: Int64, ntok: Int32):
+        """One thread: g = ++GEN, NTOK = ntok, then release(sys) READY = g — unless an earlier wait failed."""
+        if ld_u32(own + SIG_ERR * 4) == 0:
             g = ld_u32(own + SIG_GEN * 4) + 1
             st_u32(own + SIG_GEN * 4, g)
             st_u32(own + SIG_NTOK * 4, ntok)
             fence_sys()
             st_release_u32(own + SIG_READY * 4, g, "sys")
 
+    @cute.kernel
+    def k_ready(self, own: Int64, ntok: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        if tid == 0:
+            self._signal_ready(own, ntok)
+
     @cute.jit
     def ready(self, own: Int64, ntok: Int32, stream: cuda.CUstream):
         self.k_ready(own, ntok).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
+
+    @cute.kernel
+    def k_publish(self, own: Int64, x: Int64, ids: Int64, wts: Int64, ntok: Int32):
+        """x bf16 [T, H] -> pub_x (FP8 E4M3) + pub_sx (power-of-two scale per 128), bit-exact with
+        gcmoe_core.formats.quantize_fp8_e4m3_1x128 (a NaN or Inf in a group makes its scale and bytes NaN); ids int32
+        and weights fp32 [T, k] copied; the last CTA to finish signals READY."""
+        H, HS, K, o = self.H, self.HS, self.K, self.o
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
+        warp = tid // 32
+        lane = tid % 32
+        for gi in cutlass.range(cta * WARPS + warp, ntok * HS, nctas * WARPS, unroll=1):
+            t = gi // HS
+            c = gi - t * HS
+            col = Int64(t) * H + c * 128 + lane * 4
+            w0 = ld_u32(x + col * 2)
+            w1 = ld_u32(x + col * 2 + 4)
+            v = (_f32_of_bits(w0 << 16), _f32_of_bits(w0 & -65536), _f32_of_bits(w1 << 16), _f32_of_bits(w1 & -65536))
+            m = cute.arch.fmax(
+                cute.arch.fmax(cute.math.absf(v[0]), cute.math.absf(v[1])),
+                cute.arch.fmax(cute.math.absf(v[2]), cute.math.absf(v[3])),
+            )
+            bad = (
+                (v[0] != v[0])
+                or (v[1] != v[1])
+                or (v[2] != v[2])
+                or (v[3] != v[3])
+                or m > Float32(3.4028234663852886e38)
+            )
+            for off in cutlass.range_constexpr(5):
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1 << off))
+            ex = fp8_pow2_exponent(m)
+            inv = bits_to_f32((127 - ex) << 23)
+            scale = bits_to_f32((127 + ex) << 23)
+            if cute.arch.vote_any_sync(bad):
+                inv = _f32_of_bits(0x7FC00000)
+                scale = inv
+            q = (cvt_e4m3x2(v[1] * inv, v[0] * inv) & 0xFFFF) | (cvt_e4m3x2(v[3] * inv, v[2] * inv) << 16)
+            st_u32(own + o["pub_x"] + col, q)
+            if lane == 0:
+                st_u32(own + o["pub_sx"] + (Int64(t) * HS + c) * 4, f32_to_bits(scale))
+        for i in cutlass.range(cta * THREADS + tid, ntok * K, nctas * THREADS, unroll=1):
+            st_u32(own + o["pub_ids"] + Int64(i) * 4, ld_u32(ids + Int64(i) * 4))
+            st_u32(own + o["pub_w"] + Int64(i) * 4, ld_u32(wts + Int64(i) * 4))
+        cute.arch.sync_threads()
+        if tid == 0:
+            fence_gpu()
+            if atom_add_u32(own + SIG_PUB_DONE * 4, 1, "acq_rel", "gpu") == nctas - 1:
+                st_u32(own + SIG_PUB_DONE * 4, 0)
+                self._signal_ready(own, ntok)
+
+    @cute.jit
+    def publish(self, own: Int64, x: Int64, ids: Int64, wts: Int64, ntok: Int32, nctas: Int32, stream: cuda.CUstream):
+        self.k_publish(own, x, ids, wts, ntok).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- dispatch
     @cute.kernel
@@ -315,6 +388,7 @@ class CommKernels:
                             st_u32(own + o["ring_sxT"] + (Int64(s) * CAP + row) * 4, v)
                         if lane == 0:
                             st_u32(own + o["ring_w"] + Int64(row) * 4, ld_u32(pa + o["pub_w"] + Int64(t * K + j) * 4))
+                            st_u32(own + o["ring_dst"] + Int64(row) * 4, t * K + j)
                     else:
                         for c in cutlass.range_constexpr(self.LANE_CHUNKS):
                             idx = lane + 32 * c
@@ -324,6 +398,7 @@ class CommKernels:
                             st_u32(own + o["ring_sxT"] + (Int64(s) * CAP + row) * 4, 0)
                         if lane == 0:
                             st_u32(own + o["ring_w"] + Int64(row) * 4, 0)
+                            st_u32(own + o["ring_dst"] + Int64(row) * 4, TM * K)  # the combine buffer's sink row
                             st_u32(srow, -1)
                             st_u32(srow + 4, -1)
                             st_u32(srow + 8, -1)
@@ -431,6 +506,9 @@ def compiled(shape: CommShape, arch: str) -> dict:
     tag = f"p{shape.spec.ranks}_h{shape.spec.hidden}_e{shape.spec.local_experts}_bm{shape.spec.bm}"
     return {
         "ready": compile_kernel(k.ready, Int64(0), Int32(0), stream, arch=arch, name=f"comm_ready_{tag}"),
+        "publish": compile_kernel(
+            k.publish, *(Int64(0),) * 4, Int32(0), Int32(1), stream, arch=arch, name=f"comm_publish_{tag}"
+        ),
         "dispatch": compile_kernel(
             k.dispatch, peers, Int32(0), Int64(0), stream, arch=arch, name=f"comm_dispatch_{tag}"
         ),

@@ -16,6 +16,7 @@ rank is the whole peer table. Signal words (uint32, start of the buffer; each gr
     READY    g once this rank's tokens, ids and weights for call g are published (peers acquire it before pulling)
     NTOK     this rank's token count in call g (published with READY)
     DONE     finalize CTAs that finished call g (the last one resets the receive counter it consumed)
+    PUB_DONE publish CTAs that finished (the last one advances GEN and releases READY)
     ERR      code, kind, rank, generation, value seen — written once by the first wait that timed out
     RECV     two receive counters, parity g & 1: each peer adds 1 after its W2 rows for call g landed here
     L1_FULL  per ring block: the generation whose dispatch filled it (W1 acquires it; no reset pass)
@@ -31,6 +32,7 @@ from .ring import RingSpec
 
 SIG_GEN, SIG_READY, SIG_NTOK = 0, 32, 33
 SIG_DONE = 64
+SIG_PUB_DONE = 65
 SIG_ERR = 96  # 5 words
 SIG_RECV = 128  # 2 words
 SIG_L1_FULL = 160
@@ -66,6 +68,7 @@ class WorkspaceLayout:
             "ring_sxT": (s.hidden // 128) * s.capacity * 4,
             "ring_w": s.capacity * 4,
             "ring_src": s.capacity * 3 * 4,
+            "ring_dst": s.capacity * 4,
             "ring_offsets": (s.local_experts + 1) * 4,
             "ring_counts": s.local_experts * 4,
             "combine": (s.max_tokens * s.top_k + 1) * s.hidden * 2,  # + 1 sink row for masked scatters
@@ -94,7 +97,9 @@ class WorkspaceViews:
     ring_x: torch.Tensor  # uint8 [capacity, H]
     ring_sxT: torch.Tensor  # fp32 [H/128, capacity]
     ring_w: torch.Tensor  # fp32 [capacity]
-    ring_src: torch.Tensor  # int32 [capacity, 3]
+    ring_src: torch.Tensor  # int32 [capacity, 3]  (src rank, token, slot), -1 for padding
+    ring_dst: torch.Tensor  # int32 [capacity]  row of the source rank's combine buffer (token * k + slot), or
+    # the sink row for padding: what W2's scatter reads
     ring_offsets: torch.Tensor  # int32 [E/P + 1]
     ring_counts: torch.Tensor  # int32 [E/P]
     combine: torch.Tensor  # bf16 [T_max * k + 1, H]: row t * k + j, then one sink row (SINK_ROW) that
@@ -127,6 +132,7 @@ def _views(buf: torch.Tensor, lay: WorkspaceLayout) -> WorkspaceViews:
         ring_sxT=part("ring_sxT", torch.float32, (hs, cap)),
         ring_w=part("ring_w", torch.float32, (cap,)),
         ring_src=part("ring_src", torch.int32, (cap, 3)),
+        ring_dst=part("ring_dst", torch.int32, (cap,)),
         ring_offsets=part("ring_offsets", torch.int32, (s.local_experts + 1,)),
         ring_counts=part("ring_counts", torch.int32, (s.local_experts,)),
         combine=part("combine", torch.bfloat16, (t * k + 1, h)),

@@ -82,6 +82,23 @@ def time_gpu(
     }
 
 
+def time_interleaved(runs: dict, iters: int, device: torch.device | None = None) -> dict:
+    """Median microseconds of several variants measured side by side (A B C A B C ..., cold L2 before each).
+    runs: name -> CUDAGraph (replayed) or a plain callable (launched eagerly)."""
+    flush = ColdL2(device or torch.device("cuda", torch.cuda.current_device()))
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(iters):
+        for name, g in runs.items():
+            flush()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay() if isinstance(g, torch.cuda.CUDAGraph) else g()
+            b.record()
+            b.synchronize()
+            times[name].append(a.elapsed_time(b) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def time_cpu(fn: Callable[[], object], iters: int = 5) -> dict:
     fn()
     times = []

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ import torch
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.testing import make_routing, make_weights
-from gcmoe_core.timing import ColdL2, capture_graph, copy_bandwidth, fp4_floor_us
+from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, time_interleaved
 
 from .config import can_implement
 from .ops import MoESm90, w1, w2
@@ -36,22 +35,6 @@ MODELS = ("deepseek-v4-flash", "deepseek-v3", "glm-5", "glm-4.5")
 
 def _graph(fn) -> torch.cuda.CUDAGraph:
     return capture_graph(fn)[0]
-
-
-def _interleaved(graphs: dict, iters: int) -> dict:
-    """graphs: name -> CUDAGraph (replayed) or a plain callable (launched eagerly)."""
-    flush = ColdL2(torch.device("cuda"))
-    times: dict[str, list[float]] = {k: [] for k in graphs}
-    for _ in range(iters):
-        for name, g in graphs.items():
-            flush()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay() if isinstance(g, torch.cuda.CUDAGraph) else g()
-            b.record()
-            b.synchronize()
-            times[name].append(a.elapsed_time(b) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 class TorchPeer:
@@ -138,7 +121,7 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
                 graphs[name] = fn
             except Exception as ex:  # a peer this torch build cannot run is reported, not hidden
                 rec[f"{name}_error"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"
-    times = _interleaved(graphs, iters)
+    times = time_interleaved(graphs, iters)
     floor = fp4_floor_us(cfg.hidden_size, cfg.intermediate_size, rec["active_experts"], bw)
     rec.update(
         {f"{k}_us": v for k, v in times.items()},
