@@ -1,7 +1,8 @@
 """Backends of the operator and how one is chosen.
 
     reference  plain torch (gcmoe-core), any device; the ground truth and the CPU path
-    sm90       Hopper (sm_90a): FP8 x MXFP4 grouped GEMMs from gcmoe-gemm-sm90 (CuTe DSL)
+    sm90       Hopper (sm_90a): FP8 x MXFP4 grouped GEMMs from gcmoe-gemm-sm90 between gcmoe-comm's publish /
+               dispatch and finalize kernels (gcmoe.rank_layer; CuTe DSL)
     sm103      Blackwell (sm_103a): tcgen05 block-scaled GEMMs from gcmoe-gemm-sm103 (CuTe DSL)
 
 `choose(device, requested)`: an explicit request (argument, else GCMOE_BACKEND) must be runnable on the device or it
@@ -111,10 +112,11 @@ class ReferenceBackend:
 
 class KernelBackend:
     """A kernel package's layer class (`from_weights(...).tensors()` to prepack, `from_tensors(...).forward` to
-    run): the sm90 and sm103 backends differ only in the class."""
+    run): the sm90 and sm103 backends differ only in the class — and in `run`, the function that runs a call on
+    the layer object ("module:function"; default: its own forward)."""
 
-    def __init__(self, name: str, module: str, cls: str):
-        self.name, self._module, self._cls = name, module, cls
+    def __init__(self, name: str, module: str, cls: str, run: str | None = None):
+        self.name, self._module, self._cls, self._run = name, module, cls, run
 
     def _layer_cls(self):
         import importlib
@@ -125,11 +127,18 @@ class KernelBackend:
         return self._layer_cls().from_weights(weights).tensors()
 
     def forward(self, x, topk_ids, topk_weights, tensors: list[torch.Tensor], quant: str, num_experts: int):
-        return self._layer_cls().from_tensors(tensors, num_experts).forward(x, topk_ids, topk_weights)
+        layer = self._layer_cls().from_tensors(tensors, num_experts)
+        if self._run is None:
+            return layer.forward(x, topk_ids, topk_weights)
+        import importlib
+
+        module, fn = self._run.split(":")
+        return getattr(importlib.import_module(module), fn)(layer, x, topk_ids, topk_weights)
 
 
 IMPLS = {
     "reference": ReferenceBackend,
-    "sm90": KernelBackend("sm90", "gcmoe_gemm_sm90.ops", "MoESm90"),  # register-A WGMMA, in-register FP4 decode
+    # register-A WGMMA, in-register FP4 decode; the comm kernels around it (gcmoe.rank_layer)
+    "sm90": KernelBackend("sm90", "gcmoe_gemm_sm90.ops", "MoESm90", run="gcmoe.rank_layer:sm90_forward"),
     "sm103": KernelBackend("sm103", "gcmoe_gemm_sm103.ops", "MoESm103"),  # tcgen05 block-scaled MMA
 }

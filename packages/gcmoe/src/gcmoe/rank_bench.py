@@ -1,6 +1,6 @@
 """The routed(+shared)-expert layer of one EP8 rank three ways, side by side on the GPU (graph replay, cold L2,
 medians, interleaved): the two grouped kernels alone on prepared rows, the torch-glue layer (MoESm90.forward) and
-the comm-path layer (CommSm90Layer: publish, dispatch, W1, W2, combined, finalize), next to the FP4 floor.
+the comm-path layer (gcmoe.rank_layer: publish, dispatch, W1, W2, combined, finalize), next to the FP4 floor.
 
     python -m gcmoe.rank_bench --out docs/benchmarks [--models ...] [--tokens 1 8 32 128 256]
 """
@@ -20,7 +20,7 @@ from gcmoe_core.testing import make_routing, make_weights
 from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, time_interleaved
 from gcmoe_gemm_sm90.ops import MoESm90, w1, w2
 
-from .rank_layer import CommSm90Layer
+from .rank_layer import CommSm90Path
 
 MODELS = ("deepseek-v4-flash", "deepseek-v3", "glm-5", "glm-4.5")
 
@@ -33,7 +33,8 @@ def point(model: str, tokens: int, bw: float, iters: int) -> dict:
     ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, "uniform", g)
     ids, w = ids.cuda(), w.cuda()
     kcfg = moe.config_for(tokens, cfg.top_k)
-    comm = CommSm90Layer(moe, cfg.top_k, cfg.max_tokens_per_rank, kcfg)
+    path = CommSm90Path(moe, cfg.top_k, cfg.max_tokens_per_rank, kcfg.n_tile)
+    comm = lambda x, ids, w: path(moe, kcfg, x, ids, w)
     s = cfg.num_shared_experts
     all_ids = torch.cat((ids, torch.arange(cfg.num_experts, cfg.num_experts + s, device="cuda").expand(tokens, s)), 1)
     all_w = torch.cat((w, torch.ones(tokens, s, device="cuda")), 1)
@@ -51,7 +52,7 @@ def point(model: str, tokens: int, bw: float, iters: int) -> dict:
         "comm_layer": capture_graph(lambda: comm(x, ids, w))[0],
     }
     identical = torch.equal(comm(x, ids, w), moe.forward(x, ids, w))
-    comm.ws.check()
+    path.ws.check()
     times = time_interleaved(graphs, iters)
     active = int(torch.unique(ids).numel()) + s
     floor = fp4_floor_us(cfg.hidden_size, cfg.intermediate_size, active, bw)
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
         f"{args.iters}, the three variants interleaved. Shared experts included (they ride as always-routed "
         "experts). `W1+W2` = the two grouped kernels on rows already grouped and quantised; `glue layer` = "
         "MoESm90.forward (torch routing metadata, quantisation, gathers, combine around the kernels); `comm layer` "
-        "= CommSm90Layer (publish, dispatch, W1, W2, combined, finalize kernels).\n"
+        "= gcmoe.rank_layer, the sm90 backend's forward (publish, dispatch, W1, W2, combined, finalize kernels).\n"
         "Reproduce: `python -m gcmoe.rank_bench --out docs/benchmarks`.\n\n" + "\n".join(rows) + "\n"
     )
     (out / f"rank-layer-h200-{day}.md").write_text(md)
