@@ -18,6 +18,8 @@ VARIANTS = [
     ("w1", 4096, 7168, Sm90Config(8, 4, 2, 2)),  # the chosen small-T configuration: 2 CTAs/SM, <= 128 registers
     ("w2", 7168, 2048, Sm90Config(16, 4, 2, 2)),
     ("w1", 4096, 7168, Sm90Config(8, 4, 2, 2, smem_scales=False)),  # the v2 ablation
+    ("w1", 4096, 7168, Sm90Config(64, 4, 4, 1)),  # T >= 128: one pass over the weights for up to 64 rows
+    ("w2", 7168, 2048, Sm90Config(64, 4, 4, 1)),
 ]
 
 

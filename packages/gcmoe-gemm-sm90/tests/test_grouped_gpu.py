@@ -26,7 +26,7 @@ def _dequant_rows(hq, hsT):
 
 
 @pytest.mark.parametrize("smem_scales", [True, False], ids=["smem-scales", "global-scales"])
-@pytest.mark.parametrize("n_tile", [8, 16, 32])
+@pytest.mark.parametrize("n_tile", [8, 16, 32, 64])
 @pytest.mark.parametrize("routing", ["uniform", "one_expert", "half_empty"])
 def test_w1_then_w2_match_models(n_tile, routing, smem_scales):
     cfg = Sm90Config(n_tile=n_tile, stages=3, prefetch=2, smem_scales=smem_scales)

@@ -66,6 +66,6 @@ def test_can_implement_and_config_choice():
     assert "prefetch" in can_implement(4096, 640, 32, Sm90Config(prefetch=4))
     assert "experts" in can_implement(4096, 512, 0, Sm90Config())
     assert choose_config(1, 8, 32).n_tile == 8 and choose_config(32, 8, 32).n_tile == 16
-    assert choose_config(256, 8, 32).n_tile == 32
+    assert choose_config(64, 8, 32).n_tile == 32 and choose_config(256, 8, 32).n_tile == 64
     with pytest.raises(ValueError, match="n_tile"):
         Sm90Config(n_tile=24)

