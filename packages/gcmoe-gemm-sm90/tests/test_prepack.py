@@ -67,5 +67,6 @@ def test_can_implement_and_config_choice():
     assert "experts" in can_implement(4096, 512, 0, Sm90Config())
     assert choose_config(1, 8, 32).n_tile == 8 and choose_config(32, 8, 32).n_tile == 16
     assert choose_config(64, 8, 32).n_tile == 32 and choose_config(256, 8, 32).n_tile == 64
+    assert choose_config(128, 6, 32).n_tile == 32 and choose_config(128, 8, 32).n_tile == 64  # 24 vs 32 rows/expert
     with pytest.raises(ValueError, match="n_tile"):
         Sm90Config(n_tile=24)

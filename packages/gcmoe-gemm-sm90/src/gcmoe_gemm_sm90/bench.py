@@ -97,9 +97,11 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
     graphs = {"ours_kernels": _graph(run), "ours_layer": _graph(lambda: moe.forward(x, ids, w))}
     # ablations, timed interleaved with the chosen configuration: the activation scales loaded from global memory
     # in the window loop (the v2 kernel), and for N = 64 the previous largest tile, N = 32
-    graphs["ours_kernels_v2"] = _graph(kernels_for(dataclasses.replace(kcfg, smem_scales=False))[0])
+    # (each variant's closure owns its rows: keep it alive as long as its graph, which only holds their addresses)
+    variants = {"ours_kernels_v2": kernels_for(dataclasses.replace(kcfg, smem_scales=False))[0]}
     if kcfg.n_tile == 64:
-        graphs["ours_kernels_n32"] = _graph(kernels_for(Sm90Config(32, 4, 4, 1))[0])
+        variants["ours_kernels_n32"] = kernels_for(Sm90Config(32, 4, 4, 1))[0]
+    graphs.update({name: _graph(fn) for name, fn in variants.items()})
     rec = {
         "model": model,
         "ep": ep,

@@ -42,6 +42,11 @@ def choose_config(tokens_per_rank: int, top_k: int, num_experts: int) -> Sm90Con
     expected = max(1, tokens_per_rank * top_k // max(1, num_experts))
     want = 2 * expected
     n_tile = next((n for n in N_TILES if n >= want), N_TILES[-1])
+    if n_tile == 64 and expected < 32:
+        # N = 64 costs twice the MMA and promotion of N = 32 per pass: it pays only once most experts would need
+        # two N = 32 passes (H200, 2026-11-29, sm90-grouped-v4: 1.28-1.49x faster at 32-64 expected rows per expert,
+        # 1.23x slower at 24)
+        n_tile = 32
     # n_tile <= 16 with 2 windows of prefetch fits 128 registers: two CTAs per SM (16 warps to hide latency);
     # n_tile 32 / 64 need ~250 registers: one CTA per SM, 4 windows in flight (measured on the H200, 2026-11-29)
     # shared-memory activation scales: 4-5 % faster at n_tile 16, 1-3 % at 32, 2-4 % slower at 8 (two more barriers per
