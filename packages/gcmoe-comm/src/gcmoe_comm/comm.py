@@ -24,6 +24,8 @@ MAX_DISPATCH_SMEM = 200 * 1024
 
 
 class CommRank:
+    """One rank's launches of the comm kernels on its workspace (kernels compiled on first use, per shape)."""
+
     def __init__(
         self,
         ws: Workspace,
@@ -47,6 +49,7 @@ class CommRank:
         self.timeout_ns = int(ms * 1e6)
         self._kernels = None
         self._ntok = 0
+        self._keep: tuple = ()  # the last publish's (possibly converted) inputs, alive while its launch reads them
 
     @staticmethod
     def validate_spec(spec) -> None:
@@ -79,7 +82,9 @@ class CommRank:
 
     def publish(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """One kernel: quantise x (FP8 1x128, bit-exact with gcmoe_core.formats) into this rank's published
-        buffers, copy the routing, and tag READY = g once every CTA is done."""
+        buffers, copy the routing, and tag READY = g once every CTA is done. topk_ids are global expert ids in
+        [0, E) (the layer checks them): an id outside every rank's range is dropped by every dispatch, and that
+        slot's combine row is then never written."""
         s = self.ws.spec
         dev = self.ws.buf.device
         if x.dim() != 2 or x.shape[1] != s.hidden or x.dtype != torch.bfloat16:

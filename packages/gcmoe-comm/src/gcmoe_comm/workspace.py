@@ -215,7 +215,8 @@ class Workspace:
     def recover(self) -> None:
         """Zero the signals so the ranks restart from generation 0. Collective: with virtual ranks it resets every
         sibling; with symmetric memory every process calls it (it synchronises the device and the group)."""
-        torch.cuda.synchronize(self.buf.device) if self.buf.is_cuda else None
+        if self.buf.is_cuda:
+            torch.cuda.synchronize(self.buf.device)
         if self.group is not None:
             import torch.distributed as dist
 
