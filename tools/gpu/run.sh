@@ -7,7 +7,7 @@
 #   device call 2 (carry .gpu-wheels/b):  source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh info tests greenctx bench
 #   later calls on the warm machine:      source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh <steps>
 #
-# steps: info | tests | greenctx | bench | smoke | sm90 | sm90bench | comm | commbench | rankbench | all (default: all). Each step's log and results land in $OUT.
+# steps: info | tests | greenctx | bench | smoke | sm90 | sm90bench | comm | multiproc | commbench | rankbench | all (default: all). Each step's log and results land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gcmoe-gpu-out}
@@ -29,6 +29,8 @@ run_step() {
                 -p timeout --timeout=120 --timeout-method=thread 2>&1 | tee "$OUT/sm90-tests.log"; return "${PIPESTATUS[0]}" ;;
     comm)     timeout 420 python3 -m pytest packages/gcmoe-comm -m "gpu or compile" -rs -q -p no:cacheprovider \
                 -p timeout --timeout=150 --timeout-method=thread ${COMM_TEST_ARGS:-} 2>&1 | tee "$OUT/comm-tests.log"
+              return "${PIPESTATUS[0]}" ;;
+    multiproc) python3 -m gcmoe_comm.multiproc --out "$OUT/comm-multiproc" ${MULTIPROC_ARGS:-} 2>&1 | tail -20
               return "${PIPESTATUS[0]}" ;;
     commbench) python3 -m gcmoe_comm.bench --out "$OUT" 2>&1 | tail -30; return "${PIPESTATUS[0]}" ;;
     rankbench) python3 -m gcmoe.rank_bench --out "$OUT" ${RANK_BENCH_ARGS:-} 2>&1 | tail -30; return "${PIPESTATUS[0]}" ;;

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from gcmoe_comm.ring import RingSpec
-from gcmoe_comm.virtual import VirtualRanks, stand_in_slot_rows
+from gcmoe_comm.testing import ROUTINGS, check_ring, expected_outputs, make_inputs
+from gcmoe_comm.virtual import VirtualRanks
 from gcmoe_comm.workspace import SIG_GEN, CommError, Workspace
 from gcmoe_core.formats import quantize_fp8_e4m3_1x128
-from gcmoe_core.multirank import dispatch_reference, quantize_tokens
-from gcmoe_core.reference import combine_slots
 from gcmoe_core.testing import make_routing
 from gcmoe_core.timing import capture_graph
 
@@ -23,52 +22,13 @@ pytestmark = pytest.mark.gpu
 H, E, K, S, TMAX, BM = 1024, 16, 4, 1, 32, 8
 
 
-def _inputs(p, routing, seed, hidden=H, experts=E, k=K, tmax=TMAX):
-    g = torch.Generator().manual_seed(seed)
-    xs, ids, ws, shared = [], [], [], []
-    for r in range(p):
-        t = 0 if routing == "idle_rank" and r == p - 1 else min(tmax, 3 + 5 * r + seed % 4)
-        xs.append(torch.randn(t, hidden, generator=g).to(torch.bfloat16))
-        if routing == "one_rank":  # every token to rank 0's experts: the other ranks receive nothing
-            i, w = make_routing(t, k, experts // p, "uniform", g)
-        else:
-            i, w = make_routing(t, k, experts, "uniform" if routing == "idle_rank" else routing, g)
-        ids.append(i), ws.append(w)
-        shared.append(torch.randn(t, S, hidden, generator=g).to(torch.bfloat16))
-    cuda = lambda ts: [t.cuda() for t in ts]
-    return cuda(xs), cuda(ids), cuda(ws), cuda(shared)
-
-
-def _expected(xs, ids, ws, shared):
-    rows = [stand_in_slot_rows(x, i, w) for x, i, w in zip(xs, ids, ws)]
-    return [combine_slots(torch.cat((r, s), dim=1)) for r, s in zip(rows, shared)]
+def _inputs(p, routing, seed):
+    return make_inputs(p, routing, seed, H, E, K, TMAX, S)
 
 
 def _check_rings(wss, xs, ids, weights, gen):
-    spec = wss[0].spec
-    payloads = [quantize_tokens(x, "fp8_mxfp4") for x in xs]
     for q, w in enumerate(wss):
-        ref = dispatch_reference(ids, payloads, spec.local_experts * spec.ranks, q)
-        v = w.views
-        assert torch.equal(v.ring_counts, ref.expert_counts), f"rank {q}: counts"
-        padded = (ref.expert_counts + BM - 1) // BM * BM
-        assert torch.equal(v.ring_offsets[1:] - v.ring_offsets[:-1], padded) and int(v.ring_offsets[0]) == 0
-        used = int(v.ring_offsets[-1])
-        src = v.ring_src[:used]
-        valid = src[:, 0] >= 0
-        assert torch.equal(src[valid], ref.src), f"rank {q}: row order / sources"
-        assert bool((src[~valid] == -1).all()), f"rank {q}: padding rows must say -1"
-        dst = v.ring_dst[:used]
-        assert torch.equal(dst[valid], ref.src[:, 1] * spec.top_k + ref.src[:, 2]), f"rank {q}: combine rows"
-        assert bool((dst[~valid] == v.sink_row).all()), f"rank {q}: padding rows must aim at the sink row"
-        assert torch.equal(v.ring_x[:used][valid], ref.x_payload.view(torch.uint8)), f"rank {q}: FP8 payload"
-        assert torch.equal(v.ring_sxT[:, :used][:, valid].t(), ref.x_scale), f"rank {q}: scales"
-        wref = torch.stack([weights[r][t, j] for r, t, j in ref.src.tolist()]) if ref.src.numel() else None
-        if wref is not None:
-            assert torch.equal(v.ring_w[:used][valid], wref.float()), f"rank {q}: routing weights"
-        assert int(v.ring_x[:used][~valid].count_nonzero()) == 0 and int(v.ring_w[:used][~valid].count_nonzero()) == 0
-        tags = v.l1_full[: used // BM]
-        assert bool((tags == gen).all()), f"rank {q}: L1_FULL tags {tags.tolist()} != generation {gen}"
+        check_ring(w.views, q, w.spec, xs, ids, weights, gen)
 
 
 def _outs(xs):
@@ -76,7 +36,7 @@ def _outs(xs):
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])
-@pytest.mark.parametrize("routing", ["uniform", "one_expert", "half_empty", "one_rank", "idle_rank"])
+@pytest.mark.parametrize("routing", ROUTINGS)
 def test_virtual_ranks_bit_exact(p, routing):
     spec = RingSpec(p, E // p, H, K, TMAX, BM)
     vr = VirtualRanks(spec, "cuda", dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=2000)
@@ -87,7 +47,7 @@ def test_virtual_ranks_bit_exact(p, routing):
         torch.cuda.synchronize()
         vr.check()
         _check_rings(vr.ws, xs, ids, ws, gen=call)
-        for r, (y, want) in enumerate(zip(outs, _expected(xs, ids, ws, shared))):
+        for r, (y, want) in enumerate(zip(outs, expected_outputs(xs, ids, ws, shared))):
             assert torch.equal(y, want), f"rank {r}: combine differs in {(y != want).sum().item()} elements"
 
 
@@ -113,7 +73,7 @@ def test_graph_replays_bit_exact(p, tmp_path):
     vr.check()
     _check_rings(vr.ws, *sets[0][:3], gen=1)
     graph, _ = capture_graph(lambda: vr.step(static[0], static[1], static[2], outs, static[3]))
-    expected = [_expected(*st) for st in sets]
+    expected = [expected_outputs(*st) for st in sets]
     replays = 1000
     for i in range(replays):
         k = i % len(sets)
@@ -154,7 +114,7 @@ def test_dead_peer_is_reported_and_recovery_works(p):
     torch.cuda.synchronize()
     vr.check()
     _check_rings(vr.ws, xs, ids, ws, gen=1)
-    for y, want in zip(outs, _expected(xs, ids, ws, shared)):
+    for y, want in zip(outs, expected_outputs(xs, ids, ws, shared)):
         assert torch.equal(y, want)
 
 

@@ -36,8 +36,9 @@ def stand_in_slot_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     return _stand_in(xf.unsqueeze(1).expand(t, k, -1), topk_ids, topk_weights.float())
 
 
-def scatter_stand_in(ws: Workspace, all_ws: list[Workspace]) -> None:
-    """W1/W2 stand-in on rank ws.rank: ring rows -> rows of the source ranks' combine buffers (capturable)."""
+def scatter_stand_in(ws: Workspace, combine_of: list[torch.Tensor]) -> None:
+    """W1/W2 stand-in on rank ws.rank: ring rows -> rows of the source ranks' combine buffers, combine_of[q] = rank
+    q's combine buffer as this process addresses it (ws.peer_views(q).combine); capturable."""
     v, s = ws.views, ws.spec
     cap = s.capacity
     rows = torch.arange(cap, device=v.ring_x.device, dtype=torch.int32)
@@ -46,9 +47,10 @@ def scatter_stand_in(ws: Workspace, all_ws: list[Workspace]) -> None:
     y = _stand_in(xf, expert, v.ring_w)
     src = v.ring_src.long()
     valid = (src[:, 0] >= 0) & (rows < v.ring_offsets[-1])  # rows past the last block hold stale data
-    for q, peer in enumerate(all_ws):
-        dst = torch.where(valid & (src[:, 0] == q), src[:, 1] * s.top_k + src[:, 2], peer.views.sink_row)
-        peer.views.combine.index_copy_(0, dst, y)
+    sink = v.sink_row  # the same row index in every rank's combine buffer
+    for q, combine in enumerate(combine_of):
+        dst = torch.where(valid & (src[:, 0] == q), src[:, 1] * s.top_k + src[:, 2], sink)
+        combine.index_copy_(0, dst, y)
 
 
 class VirtualRanks:
@@ -98,7 +100,7 @@ class VirtualRanks:
         # spinning dispatch whose peer's READY sits behind such a load would wait out its bound.
         each(publish)
         each(lambda r, rank: rank.dispatch())
-        each(lambda r, rank: scatter_stand_in(rank.ws, self.ws))
+        each(lambda r, rank: scatter_stand_in(rank.ws, [w.views.combine for w in self.ws]))
         each(lambda r, rank: rank.combined())
         each(lambda r, rank: rank.finalize(outs[r], None if shared_rows is None else shared_rows[r]))
         for stream in self.streams:

@@ -5,6 +5,7 @@ signals and the combine buffer, and the peer address table the kernels get by va
     wss = Workspace.virtual(spec, device)          # P virtual ranks on one GPU: P separate buffers (tests, benches)
     ws = Workspace.symmetric(spec, group)          # one rank of P processes: PyTorch symmetric memory (P may be 1)
     ws.views                                       # torch views of this rank's buffers (WorkspaceViews)
+    ws.peer_views(q)                               # rank q's buffers as this process addresses them
     ws.peers                                       # base address of every rank's workspace, rank order
     ws.check()                                     # raises CommError when a kernel's bounded wait expired
     ws.recover()                                   # zero the signals (every rank, between a fault and the next call)
@@ -193,6 +194,16 @@ class Workspace:
         torch.cuda.synchronize()
         dist.barrier(group)
         return ws
+
+    def peer_views(self, q: int) -> WorkspaceViews:
+        """Torch views of rank q's workspace as this process addresses it (a sibling's buffer for virtual ranks,
+        the symmetric-memory mapping of the peer's buffer otherwise): what a W2 scatter writes into."""
+        if not 0 <= q < self.spec.ranks:
+            raise ValueError(f"peer_views: rank {q} outside [0, {self.spec.ranks})")
+        if self.group is None:
+            return self._siblings[q].views
+        buf = self._handle.get_buffer(q, (self.layout.nbytes,), torch.uint8)
+        return _views(buf, self.layout)
 
     def error(self) -> str | None:
         """The recorded wait failure of this rank, in words, or None (reads the device: one sync)."""

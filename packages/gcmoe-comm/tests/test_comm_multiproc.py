@@ -1,0 +1,23 @@
+"""The comm kernels with one process per GPU on PyTorch symmetric memory (gcmoe_comm.multiproc): world size 1 on any
+GPU machine (the same code path the multi-GPU run takes), and every visible GPU where there are two or more."""
+
+import pytest
+import torch
+
+from gcmoe_comm.multiproc import run
+
+
+@pytest.mark.gpu
+def test_one_process_world_size_one(tmp_path):
+    (res,) = run(1, 100, str(tmp_path))
+    assert res["ok"], res.get("traceback")
+    assert res["checks"][-1] == "100 graph replays"
+
+
+@pytest.mark.multigpu
+def test_one_process_per_gpu(tmp_path):
+    p = torch.cuda.device_count()
+    results = run(p, 1000, str(tmp_path))
+    for r in results:
+        assert r["ok"], f"rank {r['rank']}: {r.get('traceback')}"
+        assert "dead peer reported, recovery exact" in r["checks"]
