@@ -50,11 +50,6 @@ def st_release_u32(addr, val, scope: str = "sys", *, loc=None, ip=None):
 
 
 @dsl_user_op
-def st_relaxed_u32(addr, val, scope: str = "sys", *, loc=None, ip=None):
-    _asm(None, [Int64(addr), Int32(val)], f"st.relaxed.{scope}.global.u32 [$0], $1;", "l,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
 def atom_add_u32(addr, val, sem: str = "release", scope: str = "sys", *, loc=None, ip=None):
     text = f"atom.{sem}.{scope}.global.add.u32 $0, [$1], $2;"
     return Int32(_asm(T.i32(), [Int64(addr), Int32(val)], text, "=r,l,r,~{memory}", loc, ip))

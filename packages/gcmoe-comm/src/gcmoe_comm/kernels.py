@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
-from gcmoe_core.kernel_helpers import bits_to_f32, cvt_e4m3x2, f32_to_bits, fp8_pow2_exponent
+from gcmoe_core.kernel_helpers import bits_to_f32, cvt_bf16x2, cvt_e4m3x2, f32_to_bits, fp8_pow2_exponent
 
 from .device_ops import (
     atom_add_u32,
@@ -68,35 +68,12 @@ from .workspace import (
 cutlass, cute = cutlass_modules()
 import cuda.bindings.driver as cuda  # noqa: E402
 from cutlass import runtime as crt  # noqa: E402
-from cutlass._mlir.dialects import llvm  # noqa: E402
-from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 
 Int16, Int32, Int64, Float32 = cutlass.Int16, cutlass.Int32, cutlass.Int64, cutlass.Float32
 THREADS = 256
 WARPS = THREADS // 32
 KIND_READY, KIND_RECV = 1, 2
-
-
-@dsl_user_op
-def _bf16x2_rn(lo, hi, *, loc=None, ip=None):
-    res = llvm.inline_asm(
-        T.i32(),
-        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        "cvt.rn.bf16x2.f32 $0, $1, $2;",
-        "=r,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return Int32(res)
-
-
-@dsl_user_op
-def _f32_of_bits(x, *, loc=None, ip=None):
-    return Float32(llvm.bitcast(T.f32(), Int32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
 @dataclass(frozen=True)
@@ -204,7 +181,7 @@ class CommKernels:
             col = Int64(t) * H + c * 128 + lane * 4
             w0 = ld_u32(x + col * 2)
             w1 = ld_u32(x + col * 2 + 4)
-            v = (_f32_of_bits(w0 << 16), _f32_of_bits(w0 & -65536), _f32_of_bits(w1 << 16), _f32_of_bits(w1 & -65536))
+            v = (bits_to_f32(w0 << 16), bits_to_f32(w0 & -65536), bits_to_f32(w1 << 16), bits_to_f32(w1 & -65536))
             m = cute.arch.fmax(
                 cute.arch.fmax(cute.math.absf(v[0]), cute.math.absf(v[1])),
                 cute.arch.fmax(cute.math.absf(v[2]), cute.math.absf(v[3])),
@@ -222,7 +199,7 @@ class CommKernels:
             inv = bits_to_f32((127 - ex) << 23)
             scale = bits_to_f32((127 + ex) << 23)
             if cute.arch.vote_any_sync(bad):
-                inv = _f32_of_bits(0x7FC00000)
+                inv = bits_to_f32(0x7FC00000)
                 scale = inv
             q = (cvt_e4m3x2(v[1] * inv, v[0] * inv) & 0xFFFF) | (cvt_e4m3x2(v[3] * inv, v[2] * inv) << 16)
             st_u32(own + o["pub_x"] + col, q)
@@ -468,8 +445,8 @@ class CommKernels:
                     else:
                         w = ld_v4(shared + (Int64(t * S + j - K) * H + c * 8) * 2)
                     for h in cutlass.range_constexpr(4):
-                        lo_v = _f32_of_bits(w[h] << 16)
-                        hi_v = _f32_of_bits(w[h] & -65536)
+                        lo_v = bits_to_f32(w[h] << 16)
+                        hi_v = bits_to_f32(w[h] & -65536)
                         if cutlass.const_expr(j == 0):
                             acc[2 * h] = lo_v
                             acc[2 * h + 1] = hi_v
@@ -478,10 +455,10 @@ class CommKernels:
                             acc[2 * h + 1] = acc[2 * h + 1] + hi_v
                 st_v4(
                     out + (Int64(t) * H + c * 8) * 2,
-                    _bf16x2_rn(acc[0], acc[1]),
-                    _bf16x2_rn(acc[2], acc[3]),
-                    _bf16x2_rn(acc[4], acc[5]),
-                    _bf16x2_rn(acc[6], acc[7]),
+                    cvt_bf16x2(acc[1], acc[0]),
+                    cvt_bf16x2(acc[3], acc[2]),
+                    cvt_bf16x2(acc[5], acc[4]),
+                    cvt_bf16x2(acc[7], acc[6]),
                 )
             cute.arch.sync_threads()
             if tid == 0:

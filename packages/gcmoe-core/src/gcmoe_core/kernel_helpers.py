@@ -2,6 +2,7 @@
 
 bits_to_f32 / f32_to_bits      reinterpret 32 bits
 cvt_e4m3x2(hi, lo)             two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits
+cvt_bf16x2(hi, lo)             two fp32 -> two bf16 (RNE) in one 32-bit word, lo in the low half
 fp8_pow2_exponent(amax)        e of the power-of-two FP8 scale, smallest 2^e with amax <= 448 * 2^e, in [-126, 126]
                                (formats.fp8_scale_for_amax, bit-exact; amax = 0 gives e = 0)
 """
@@ -34,6 +35,23 @@ def cvt_e4m3x2(hi, lo, *, loc=None, ip=None):
         T.i32(),
         [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
         "{\n.reg .b16 h;\ncvt.rn.satfinite.e4m3x2.f32 h, $1, $2;\ncvt.u32.u16 $0, h;\n}",
+        "=r,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    return Int32(res)
+
+
+@dsl_user_op
+def cvt_bf16x2(hi, lo, *, loc=None, ip=None):
+    """Two fp32 -> two bf16 (round to nearest even, as torch's .to(bfloat16)): lo in bits 0-15, hi in 16-31."""
+    res = llvm.inline_asm(
+        T.i32(),
+        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.bf16x2.f32 $0, $1, $2;",
         "=r,f,f",
         has_side_effects=False,
         is_align_stack=False,
