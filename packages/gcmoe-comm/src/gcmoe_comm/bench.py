@@ -21,35 +21,11 @@ from pathlib import Path
 import torch
 
 from gcmoe_core.testing import make_routing
-from gcmoe_core.timing import time_interleaved
+from gcmoe_core.timing import capture_graph, copy_bandwidth, time_interleaved
 
 from .comm import CommRank
 from .ring import RingSpec
 from .workspace import Workspace
-
-
-def _graph_on(stream: torch.cuda.Stream, fn) -> torch.cuda.CUDAGraph:
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):  # nodes take the green context of the capture stream
-        fn()
-    return g
-
-
-def _copy_bw(stream: torch.cuda.Stream, nbytes: int = 2**30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    with torch.cuda.stream(stream):
-        dst.copy_(src)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            dst.copy_(src)
-        b.record()
-    b.synchronize()
-    return 2 * nbytes * 10 / (a.elapsed_time(b) * 1e-3)
 
 
 def run(sms_list: list[int], tokens: list[int], iters: int = 50) -> dict:
@@ -69,7 +45,8 @@ def run(sms_list: list[int], tokens: list[int], iters: int = 50) -> dict:
         part = split_device(sms)
         rank.dispatch_ctas = part.comm_sms * 2
         rank._kernels = None  # recompile for the grid of this partition
-        bw = _copy_bw(part.comm_stream)
+        with torch.cuda.stream(part.comm_stream):  # an eager copy runs as a kernel on the partition's SMs
+            bw = copy_bandwidth(torch.device("cuda"))
         for t in tokens:
             x = torch.randn(t, h, generator=g).to(torch.bfloat16).cuda()
             ids, w = make_routing(t, k, el, "uniform", g)
@@ -81,12 +58,12 @@ def run(sms_list: list[int], tokens: list[int], iters: int = 50) -> dict:
                 rank.ready(t)
                 rank.dispatch()
 
-            gd = _graph_on(part.comm_stream, dispatch)
+            gd = capture_graph(dispatch, stream=part.comm_stream)[0]
             payload = t * k * (h + h // 128 * 4)
             src = torch.empty(payload, dtype=torch.uint8, device="cuda")
             dst = torch.empty_like(src)
-            gc = _graph_on(part.comm_stream, lambda src=src, dst=dst: dst.copy_(src))
-            gp = _graph_on(part.comm_stream, lambda x=x, ids=ids, w=w: rank.publish(x, ids, w))  # publish kernel
+            gc = capture_graph(lambda src=src, dst=dst: dst.copy_(src), stream=part.comm_stream)[0]
+            gp = capture_graph(lambda x=x, ids=ids, w=w: rank.publish(x, ids, w), stream=part.comm_stream)[0]
             us = time_interleaved({"dispatch": gd, "copy": gc, "publish": gp}, iters)  # side by side
             d_us, c_us = us["dispatch"], us["copy"]
             ws.check()

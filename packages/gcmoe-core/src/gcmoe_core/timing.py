@@ -27,10 +27,16 @@ class ColdL2:
         self.buf.add_(1)
 
 
-def capture_graph(fn: Callable[[], object], warmup: int = 1, device: torch.device | None = None):
+def capture_graph(
+    fn: Callable[[], object],
+    warmup: int = 1,
+    device: torch.device | None = None,
+    stream: torch.cuda.Stream | None = None,
+):
     """(graph, what fn returned while captured). fn runs `warmup` times on a side stream first, so allocations,
-    lazy initialisation and JIT compiles stay out of the graph; replaying the graph re-runs fn's device work."""
-    s = torch.cuda.Stream(device=device)
+    lazy initialisation and JIT compiles stay out of the graph; replaying the graph re-runs fn's device work.
+    stream: warm up and capture on it (a green-context stream: the captured kernels keep its SM partition)."""
+    s = stream or torch.cuda.Stream(device=device)
     s.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(s):
         for _ in range(warmup):
@@ -38,7 +44,7 @@ def capture_graph(fn: Callable[[], object], warmup: int = 1, device: torch.devic
     torch.cuda.current_stream(device).wait_stream(s)
     torch.cuda.synchronize(device)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=stream):
         out = fn()
     return g, out
 
