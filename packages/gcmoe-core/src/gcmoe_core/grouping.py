@@ -4,6 +4,7 @@ thing captures into a CUDA graph and replays with new routing). Shared by the sm
     layout = group_rows(topk_ids, num_experts, n_tile)   # (token, slot) pairs sorted by expert, each expert's rows
                                                          # padded to a multiple of n_tile; capacity fixed by T
     acts = prepare_activations(x, topk_weights, layout, top_k)   # FP8 1x128 rows, transposed scales, routing weight
+    ids, w = append_shared(topk_ids, topk_weights, E, S)         # shared experts as always-routed slots k..k+S-1
     y = grouped_forward(x, ids, w, num_routed, num_shared, n_tile, hidden, run_w1, run_w2)   # the whole layer
 
 Shared experts ride the routed path: expert ids E..E+S-1 are appended to every token's routing with weight 1, so the
@@ -78,6 +79,18 @@ def prepare_activations(x: torch.Tensor, topk_weights: torch.Tensor, layout: Row
     return Activations(x_rows, sxT, route_w)
 
 
+def append_shared(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_routed: int, num_shared: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing with the shared experts E..E+S-1 appended to every token, weight 1 (slots k..k+S-1)."""
+    if not num_shared:
+        return topk_ids, topk_weights
+    t, dev = topk_ids.shape[0], topk_ids.device
+    shared = torch.arange(num_routed, num_routed + num_shared, device=dev, dtype=topk_ids.dtype).expand(t, num_shared)
+    ones = torch.ones(t, num_shared, device=dev, dtype=topk_weights.dtype)
+    return torch.cat((topk_ids, shared), dim=1), torch.cat((topk_weights, ones), dim=1)
+
+
 def grouped_forward(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -91,10 +104,7 @@ def grouped_forward(
 ) -> torch.Tensor:
     """The layer around two grouped kernels: append shared experts, group, quantise, W1, W2, combine (bf16 [T, H])."""
     t = topk_ids.shape[0]
-    if num_shared:
-        shared = torch.arange(num_routed, num_routed + num_shared, device=x.device, dtype=topk_ids.dtype)
-        topk_ids = torch.cat((topk_ids, shared.expand(t, num_shared)), dim=1)
-        topk_weights = torch.cat((topk_weights, torch.ones(t, num_shared, device=x.device)), dim=1)
+    topk_ids, topk_weights = append_shared(topk_ids, topk_weights, num_routed, num_shared)
     slots = topk_ids.shape[1]
     layout = group_rows(topk_ids, num_routed + num_shared, n_tile)
     acts = prepare_activations(x, topk_weights, layout, slots)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.grouping import group_rows, prepare_activations
+from gcmoe_core.grouping import append_shared, group_rows, prepare_activations
 from gcmoe_core.testing import make_routing, make_weights
 from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, time_interleaved
 from gcmoe_gemm_sm90.ops import MoESm90, w1, w2
@@ -36,8 +36,7 @@ def point(model: str, tokens: int, bw: float, iters: int) -> dict:
     path = CommSm90Path(moe, cfg.top_k, cfg.max_tokens_per_rank, kcfg.n_tile)
     comm = lambda x, ids, w: path(moe, kcfg, x, ids, w)
     s = cfg.num_shared_experts
-    all_ids = torch.cat((ids, torch.arange(cfg.num_experts, cfg.num_experts + s, device="cuda").expand(tokens, s)), 1)
-    all_w = torch.cat((w, torch.ones(tokens, s, device="cuda")), 1)
+    all_ids, all_w = append_shared(ids, w, cfg.num_experts, s)
     layout = group_rows(all_ids, cfg.num_experts + s, kcfg.n_tile)
     acts = prepare_activations(x, all_w, layout, cfg.top_k + s)
     out = torch.empty(all_ids.numel(), cfg.hidden_size, dtype=torch.bfloat16, device="cuda")

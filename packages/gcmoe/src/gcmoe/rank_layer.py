@@ -27,7 +27,7 @@ import torch
 from gcmoe_comm.comm import CommRank
 from gcmoe_comm.ring import RingSpec
 from gcmoe_comm.workspace import Workspace
-from gcmoe_core.grouping import Activations, RowLayout
+from gcmoe_core.grouping import Activations, RowLayout, append_shared
 from gcmoe_gemm_sm90.config import Sm90Config
 from gcmoe_gemm_sm90.ops import MoESm90, w1, w2
 
@@ -40,13 +40,13 @@ class CommSm90Path:
         self.top_k, self.num_routed, self.num_shared = top_k, moe.num_routed, moe.num_shared
         self.hidden = moe.hidden
         self.spec = RingSpec(1, experts, moe.hidden, top_k + moe.num_shared, max_tokens, n_tile)
+        CommRank.validate_spec(self.spec)  # before allocating the workspace
         dev = moe.w13.data.device
         self.ws = Workspace.virtual(self.spec, dev)[0]  # P = 1: this process's own buffer
         self.rank = CommRank(self.ws, timeout_ms=timeout_ms)
         v = self.ws.views
         self.acts = Activations(v.ring_x, v.ring_sxT, v.ring_w)
         self.layout = RowLayout(n_tile, self.spec.capacity, v.ring_offsets, v.ring_counts, v.ring_dst)
-        self._shared_ids = torch.arange(moe.num_routed, experts, device=dev, dtype=torch.int32)
 
     def __call__(
         self, moe: MoESm90, cfg: Sm90Config, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -57,11 +57,7 @@ class CommSm90Path:
                 f"CommSm90Path: topk_ids {tuple(topk_ids.shape)} / n_tile {cfg.n_tile} do not match this path's "
                 f"[{t}, {self.top_k}] / {self.spec.bm}"
             )
-        ids, wts = topk_ids.to(torch.int32), topk_weights.float()
-        if self.num_shared:
-            s = self.num_shared
-            ids = torch.cat((ids, self._shared_ids.expand(t, s)), dim=1)
-            wts = torch.cat((wts, torch.ones(t, s, device=x.device)), dim=1)
+        ids, wts = append_shared(topk_ids.to(torch.int32), topk_weights.float(), self.num_routed, self.num_shared)
         self.rank.publish(x, ids, wts)
         self.rank.dispatch()
         hq, hsT = w1(moe.w13, self.acts, self.layout, cfg)
@@ -82,13 +78,10 @@ def comm_path(moe: MoESm90, top_k: int, tokens: int, n_tile: int) -> CommSm90Pat
     bucket = token_bucket(tokens)
     key = (moe.w13.data.device, moe.hidden, moe.inter, moe.num_routed, moe.num_shared, top_k, n_tile, bucket)
     if key not in _PATHS:
-        spec = RingSpec(1, moe.num_routed + moe.num_shared, moe.hidden, top_k + moe.num_shared, bucket, n_tile)
         try:
-            CommRank.validate_spec(spec)
-        except ValueError:
-            _PATHS[key] = None
-        else:
             _PATHS[key] = CommSm90Path(moe, top_k, bucket, n_tile)
+        except ValueError:  # the dispatch cannot hold this routing (CommRank.validate_spec)
+            _PATHS[key] = None
     return _PATHS[key]
 
 
