@@ -36,10 +36,9 @@ class CommSm90Path:
     """The workspace and comm kernels for one layer shape on one device (P = 1)."""
 
     def __init__(self, moe: MoESm90, top_k: int, max_tokens: int, n_tile: int, timeout_ms: float | None = None):
-        experts = moe.num_routed + moe.num_shared
         self.top_k, self.num_routed, self.num_shared = top_k, moe.num_routed, moe.num_shared
         self.hidden = moe.hidden
-        self.spec = RingSpec(1, experts, moe.hidden, top_k + moe.num_shared, max_tokens, n_tile)
+        self.spec = self.spec_for(moe, top_k, max_tokens, n_tile)
         CommRank.validate_spec(self.spec)  # before allocating the workspace
         dev = moe.w13.data.device
         self.ws = Workspace.virtual(self.spec, dev)[0]  # P = 1: this process's own buffer
@@ -47,6 +46,11 @@ class CommSm90Path:
         v = self.ws.views
         self.acts = Activations(v.ring_x, v.ring_sxT, v.ring_w)
         self.layout = RowLayout(n_tile, self.spec.capacity, v.ring_offsets, v.ring_counts, v.ring_dst)
+
+    @staticmethod
+    def spec_for(moe: MoESm90, top_k: int, max_tokens: int, n_tile: int) -> RingSpec:
+        """P = 1; the shared experts are local experts E..E+S-1 routed from every token (slots k..k+S-1)."""
+        return RingSpec(1, moe.num_routed + moe.num_shared, moe.hidden, top_k + moe.num_shared, max_tokens, n_tile)
 
     def __call__(
         self, moe: MoESm90, cfg: Sm90Config, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -79,9 +83,11 @@ def comm_path(moe: MoESm90, top_k: int, tokens: int, n_tile: int) -> CommSm90Pat
     key = (moe.w13.data.device, moe.hidden, moe.inter, moe.num_routed, moe.num_shared, top_k, n_tile, bucket)
     if key not in _PATHS:
         try:
-            _PATHS[key] = CommSm90Path(moe, top_k, bucket, n_tile)
-        except ValueError:  # the dispatch cannot hold this routing (CommRank.validate_spec)
+            CommRank.validate_spec(CommSm90Path.spec_for(moe, top_k, bucket, n_tile))
+        except ValueError:  # the dispatch cannot hold this much routing in shared memory
             _PATHS[key] = None
+        else:
+            _PATHS[key] = CommSm90Path(moe, top_k, bucket, n_tile)
     return _PATHS[key]
 
 
