@@ -69,16 +69,18 @@ class CommRank:
 
             shape = CommShape(self.ws.spec, self.dispatch_ctas, self.finalize_ctas, self.shared_rows)
             self._kernels = compiled(shape, target_arch(self.ws.buf.device.index))
-            self._i64 = cutlass_modules()[0].Int64  # a plain Python int would be passed as a 32-bit parameter
+            i64 = cutlass_modules()[0].Int64  # a plain Python int would be passed as a 32-bit parameter
+            self._i64 = i64
+            self._peer_args = tuple(i64(p) for p in self.ws.peers)
+            self._base_arg = i64(self.ws.base)
+            self._timeout_arg = i64(self.timeout_ns)
+            self._sms = torch.cuda.get_device_properties(self.ws.buf.device).multi_processor_count
         return self._kernels
 
     def _stream(self):
         import cuda.bindings.driver as cuda
 
         return cuda.CUstream(torch.cuda.current_stream(self.ws.buf.device).cuda_stream)
-
-    def _peers(self) -> tuple:
-        return tuple(self._i64(p) for p in self.ws.peers)
 
     def publish(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """One kernel: quantise x (FP8 1x128, bit-exact with gcmoe_core.formats) into this rank's published
@@ -107,11 +109,9 @@ class CommRank:
         x = x.contiguous()
         ids = topk_ids.to(torch.int32).contiguous()  # no copy when already int32 and contiguous
         wts = topk_weights.to(torch.float32).contiguous()
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        ctas = max(1, min(-(-t * (s.hidden // 128) // 8), 8 * sms))  # a warp per 128-value group, grid-stride loop
-        k = self.kernels["publish"]
-        i64 = self._i64
-        k(i64(self.ws.base), i64(x.data_ptr()), i64(ids.data_ptr()), i64(wts.data_ptr()), t, ctas, self._stream())
+        k, i64 = self.kernels["publish"], self._i64
+        ctas = max(1, min(-(-t * (s.hidden // 128) // 8), 8 * self._sms))  # a warp per 128-value group, grid-stride
+        k(self._base_arg, i64(x.data_ptr()), i64(ids.data_ptr()), i64(wts.data_ptr()), t, ctas, self._stream())
         self._ntok = t
         self._keep = (x, ids, wts)  # the launch reads them asynchronously
 
@@ -121,15 +121,15 @@ class CommRank:
         if not 0 <= ntok <= self.ws.spec.max_tokens:
             raise ValueError(f"ready: ntok = {ntok} outside [0, {self.ws.spec.max_tokens}]")
         self._ntok = ntok
-        self.kernels["ready"](self._i64(self.ws.base), ntok, self._stream())
+        self.kernels["ready"](self._base_arg, ntok, self._stream())
 
     def dispatch(self) -> None:
         k = self.kernels["dispatch"]
-        k(self._peers(), self.ws.rank, self._i64(self.timeout_ns), self._stream())
+        k(self._peer_args, self.ws.rank, self._timeout_arg, self._stream())
 
     def combined(self) -> None:
         k = self.kernels["combined"]
-        k(self._peers(), self.ws.rank, self._stream())
+        k(self._peer_args, self.ws.rank, self._stream())
 
     def finalize(self, out: torch.Tensor, shared_rows: torch.Tensor | None = None) -> torch.Tensor:
         """out[t] = bf16(fp32 sum of combine rows t*k .. t*k+k-1, then shared_rows[t, 0..S-1]) for this call's T."""
@@ -154,5 +154,5 @@ class CommRank:
                 raise ValueError("finalize: shared_rows given, but this CommRank was built with shared_rows=0")
             shared_ptr = 0
         k, i64 = self.kernels["finalize"], self._i64
-        k(i64(self.ws.base), self.ws.rank, i64(out.data_ptr()), i64(shared_ptr), i64(self.timeout_ns), self._stream())
+        k(self._base_arg, self.ws.rank, i64(out.data_ptr()), i64(shared_ptr), self._timeout_arg, self._stream())
         return out
