@@ -12,17 +12,14 @@ import torch
 
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import group_rows, prepare_activations
-from gcmoe_core.testing import make_routing, make_weights
+from gcmoe_core.testing import make_tokens, make_weights
 from gcmoe_gemm_sm90.ops import MoESm90, w1, w2
 
 
 def main(model: str, tokens: int) -> None:
     cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=max(256, tokens), num_shared_experts=0)
     moe = MoESm90.from_weights(make_weights(cfg, seed=1, device="cuda"))
-    g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
-    ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, "uniform", g)
-    ids, w = ids.cuda(), w.cuda()
+    x, ids, w = make_tokens(cfg, tokens, seed=tokens, device="cuda")
     kcfg = moe.config_for(tokens, cfg.top_k)
     layout = group_rows(ids, cfg.num_experts, kcfg.n_tile)
     acts = prepare_activations(x, w, layout, cfg.top_k)

@@ -2,11 +2,10 @@
 project has no Blackwell GPU: these tests have never run)."""
 
 import pytest
-import torch
 
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.reference import moe_reference
-from gcmoe_core.testing import Case, calc_diff, make_problem, make_routing, make_weights
+from gcmoe_core.testing import Case, calc_diff, make_problem, make_tokens, make_weights
 from gcmoe_gemm_sm103.ops import MoESm103
 
 pytestmark = pytest.mark.sm103
@@ -26,9 +25,7 @@ def test_small_layer(routing):
 def test_model_shapes(model, tokens):
     cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=512)
     weights = make_weights(cfg, seed=tokens, device="cuda")
-    g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
-    ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, "uniform", g)
-    y = MoESm103.from_weights(weights).forward(x, ids.cuda(), w.cuda())
-    ref = moe_reference(x, ids.cuda(), w.cuda(), weights.exact_bf16(), quant="fp8_mxfp4")
+    x, ids, w = make_tokens(cfg, tokens, seed=tokens, device="cuda")
+    y = MoESm103.from_weights(weights).forward(x, ids, w)
+    ref = moe_reference(x, ids, w, weights.exact_bf16(), quant="fp8_mxfp4")
     assert calc_diff(y, ref) < 1e-3

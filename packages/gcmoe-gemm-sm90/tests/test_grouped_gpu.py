@@ -7,7 +7,15 @@ import torch
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.reference import MoEWeights, moe_reference
-from gcmoe_core.testing import Case, calc_diff, cosine, first_mismatch, make_problem, make_routing, make_weights
+from gcmoe_core.testing import (
+    Case,
+    calc_diff,
+    cosine,
+    first_mismatch,
+    make_problem,
+    make_tokens,
+    make_weights,
+)
 from gcmoe_core.timing import capture_graph
 from gcmoe_gemm_sm90.config import Sm90Config
 from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2, w1, w2
@@ -54,10 +62,7 @@ def test_w1_then_w2_match_models(n_tile, routing, smem_scales):
 def test_layer_vs_reference_on_model_shapes(model, tokens):
     cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=512)
     weights = make_weights(cfg, seed=tokens, device="cuda")
-    g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
-    ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, "uniform", g)
-    ids, w = ids.cuda(), w.cuda()
+    x, ids, w = make_tokens(cfg, tokens, seed=tokens, device="cuda")
     y = MoESm90.from_weights(weights).forward(x, ids, w)
     ref = moe_reference(x, ids, w, weights.exact_bf16(), quant="fp8_mxfp4")
     assert calc_diff(y, ref) < 1e-3

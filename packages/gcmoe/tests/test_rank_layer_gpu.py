@@ -8,7 +8,7 @@ import torch
 from gcmoe.rank_layer import CommSm90Path, comm_path, sm90_forward, token_bucket
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.reference import moe_reference
-from gcmoe_core.testing import calc_diff, first_mismatch, make_routing, make_weights
+from gcmoe_core.testing import calc_diff, first_mismatch, make_tokens, make_weights
 from gcmoe_core.timing import capture_graph
 from gcmoe_gemm_sm90.ops import MoESm90
 
@@ -16,10 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 
 def _problem(cfg, tokens, routing, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
-    ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, routing, g)
-    return x.cuda(), ids.cuda(), w.cuda()
+    return make_tokens(cfg, tokens, routing, seed, device="cuda")
 
 
 @pytest.mark.parametrize(

@@ -98,14 +98,22 @@ def make_routing(t: int, k: int, e: int, routing: str, generator: torch.Generato
     return ids.to(device), w.to(device)
 
 
+def make_tokens(cfg: MoEConfig, tokens: int, routing: str = "uniform", seed: int = 0, device="cpu", generator=None):
+    """A decode step's call arguments on `device`: x [T, H] bf16 ~ N(0, 1), top-k ids and weights (make_routing),
+    deterministic in seed — or drawn from `generator`, continuing its stream."""
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, routing, g)
+    return x.to(device), ids.to(device), w.to(device)
+
+
 def make_problem(case: Case, device="cpu", weights_quant: str | None = None):
     """Fresh random x [T, H] bf16, ids, weights and float weights (w13, w2, shared...) for `case`, deterministic
     in case.seed. Weights ~ N(0, 1/fan_in) so outputs have O(1) magnitude."""
     cfg = case.cfg
     g = torch.Generator().manual_seed(case.seed)
     h, i, el, s = cfg.hidden_size, cfg.intermediate_size, cfg.local_experts, cfg.num_shared_experts
-    x = torch.randn(case.tokens, h, generator=g).to(torch.bfloat16)
-    ids, w = make_routing(case.tokens, cfg.top_k, cfg.num_experts, case.routing, g)
+    x, ids, w = make_tokens(cfg, case.tokens, case.routing, generator=g)
     w13 = torch.randn(el, 2 * i, h, generator=g) * h**-0.5
     w2 = torch.randn(el, h, i, generator=g) * i**-0.5
     sw13 = torch.randn(s, 2 * i, h, generator=g) * h**-0.5 if s else None

@@ -24,7 +24,7 @@ import torch
 
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import group_rows, prepare_activations
-from gcmoe_core.testing import make_routing, make_weights
+from gcmoe_core.testing import make_tokens, make_weights
 from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, time_interleaved
 
 from .config import Sm90Config
@@ -76,10 +76,7 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
     cfg = MoEConfig.ep_slice(model, ep, max_tokens_per_rank=max(256, tokens), num_shared_experts=0)
     weights = make_weights(cfg, seed=1, device="cuda")
     moe = MoESm90.from_weights(weights)
-    g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
-    ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, "uniform", g)
-    ids, w = ids.cuda(), w.cuda()
+    x, ids, w = make_tokens(cfg, tokens, seed=tokens, device="cuda")
     kcfg = moe.config_for(tokens, cfg.top_k)
     out = torch.empty(ids.numel(), cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
 

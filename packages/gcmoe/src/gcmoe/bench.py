@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.testing import make_routing, make_weights
+from gcmoe_core.testing import make_tokens, make_weights
 from gcmoe_core.timing import copy_bandwidth, fp4_floor_us, time_cpu, time_gpu
 
 from .layer import MoELayer
@@ -44,10 +44,7 @@ def run_bench(models, tokens, ep: int, backend: str | None, json_path: str | Non
             layer_cache[model] = MoELayer(cfg, device=dev, backend=backend).load(make_weights(cfg, 0, dev))
         layer = layer_cache[model]
         cfg = layer.cfg
-        g = torch.Generator().manual_seed(t)
-        x = torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16).to(dev)
-        ids, w = make_routing(t, cfg.top_k, cfg.num_experts, "uniform", g)
-        ids, w = ids.to(dev), w.to(dev)
+        x, ids, w = make_tokens(cfg, t, seed=t, device=dev)
         fn = lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w)
         # the reference backend's capturable path runs every expert over every row: time it eagerly
         timing = time_gpu(fn, graph=layer.backend != "reference") if gpu else time_cpu(fn, iters=3)

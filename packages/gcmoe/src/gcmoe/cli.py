@@ -109,7 +109,7 @@ def demo(
 
     from gcmoe_core.config import MoEConfig
     from gcmoe_core.reference import moe_reference_loop_fp64
-    from gcmoe_core.testing import calc_diff, make_routing, make_weights
+    from gcmoe_core.testing import calc_diff, make_tokens, make_weights
     from gcmoe_core.timing import time_cpu, time_gpu
 
     from .layer import MoELayer
@@ -129,10 +129,7 @@ def demo(
     layer = MoELayer(cfg, device=dev, backend=backend).load(weights)
     steps.set_postfix_str(f"prepack ({layer.backend})")
     steps.update()
-    g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(torch.bfloat16).to(dev)
-    ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, "uniform", g)
-    ids, w = ids.to(dev), w.to(dev)
+    x, ids, w = make_tokens(cfg, tokens, seed=seed + 1, device=dev)
     steps.set_postfix_str("run")
     y = layer(x, ids, w)
     run = lambda: layer(x, ids, w)

@@ -16,7 +16,7 @@ import torch
 
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import append_shared, group_rows, prepare_activations
-from gcmoe_core.testing import make_routing, make_weights
+from gcmoe_core.testing import make_tokens, make_weights
 from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, time_interleaved
 from gcmoe_gemm_sm90.ops import MoESm90, w1, w2
 
@@ -28,10 +28,7 @@ MODELS = ("deepseek-v4-flash", "deepseek-v3", "glm-5", "glm-4.5")
 def point(model: str, tokens: int, bw: float, iters: int) -> dict:
     cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=max(256, tokens))
     moe = MoESm90.from_weights(make_weights(cfg, seed=1, device="cuda"))
-    g = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(torch.bfloat16).cuda()
-    ids, w = make_routing(tokens, cfg.top_k, cfg.num_experts, "uniform", g)
-    ids, w = ids.cuda(), w.cuda()
+    x, ids, w = make_tokens(cfg, tokens, seed=tokens, device="cuda")
     kcfg = moe.config_for(tokens, cfg.top_k)
     path = CommSm90Path(moe, cfg.top_k, cfg.max_tokens_per_rank, kcfg.n_tile)
     comm = lambda x, ids, w: path(moe, kcfg, x, ids, w)
