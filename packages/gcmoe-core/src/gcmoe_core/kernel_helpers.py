@@ -28,13 +28,12 @@ def f32_to_bits(x, *, loc=None, ip=None):
     return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
-@dsl_user_op
-def cvt_e4m3x2(hi, lo, *, loc=None, ip=None):
-    """Two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits: byte 0 from lo, byte 1 from hi."""
+def _cvt_pair(ptx: str, hi, lo, loc, ip):
+    """One PTX conversion of two fp32 operands ($1 = hi, $2 = lo) into a 32-bit result ($0)."""
     res = llvm.inline_asm(
         T.i32(),
         [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b16 h;\ncvt.rn.satfinite.e4m3x2.f32 h, $1, $2;\ncvt.u32.u16 $0, h;\n}",
+        ptx,
         "=r,f,f",
         has_side_effects=False,
         is_align_stack=False,
@@ -43,23 +42,18 @@ def cvt_e4m3x2(hi, lo, *, loc=None, ip=None):
         ip=ip,
     )
     return Int32(res)
+
+
+@dsl_user_op
+def cvt_e4m3x2(hi, lo, *, loc=None, ip=None):
+    """Two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits: byte 0 from lo, byte 1 from hi."""
+    return _cvt_pair("{\n.reg .b16 h;\ncvt.rn.satfinite.e4m3x2.f32 h, $1, $2;\ncvt.u32.u16 $0, h;\n}", hi, lo, loc, ip)
 
 
 @dsl_user_op
 def cvt_bf16x2(hi, lo, *, loc=None, ip=None):
     """Two fp32 -> two bf16 (round to nearest even, as torch's .to(bfloat16)): lo in bits 0-15, hi in 16-31."""
-    res = llvm.inline_asm(
-        T.i32(),
-        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        "cvt.rn.bf16x2.f32 $0, $1, $2;",
-        "=r,f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-    return Int32(res)
+    return _cvt_pair("cvt.rn.bf16x2.f32 $0, $1, $2;", hi, lo, loc, ip)
 
 
 @cute.jit
