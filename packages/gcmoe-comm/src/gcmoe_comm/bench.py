@@ -37,14 +37,12 @@ def run(sms_list: list[int], tokens: list[int], iters: int = 50) -> dict:
     h, el, k, bm = 7168, 32, 8, 16
     spec = RingSpec(1, el, h, k, max(tokens), bm)
     ws = Workspace.virtual(spec, "cuda")[0]
-    rank = CommRank(ws, timeout_ms=5000)
     g = torch.Generator().manual_seed(0)
     rows = []
     res = {"spec": spec.__dict__, "points": rows}
     for sms in sms_list:
         part = split_device(sms)
-        rank.dispatch_ctas = part.comm_sms * 2
-        rank._kernels = None  # recompile for the grid of this partition
+        rank = CommRank(ws, dispatch_ctas=2 * part.comm_sms, timeout_ms=5000)  # dispatch grid: 2 CTAs per SM
         with torch.cuda.stream(part.comm_stream):  # an eager copy runs as a kernel on the partition's SMs
             bw = copy_bandwidth(torch.device("cuda"))
         for t in tokens:
@@ -54,7 +52,7 @@ def run(sms_list: list[int], tokens: list[int], iters: int = 50) -> dict:
 
             rank.publish(x, ids, w)  # the published buffers hold this call's tokens from here on
 
-            def dispatch(t=t):  # READY (generation + 1) and the dispatch kernel: the ring refilled every replay
+            def dispatch(t=t, rank=rank):  # READY (generation + 1) + dispatch: the ring refilled every replay
                 rank.ready(t)
                 rank.dispatch()
 
@@ -63,7 +61,7 @@ def run(sms_list: list[int], tokens: list[int], iters: int = 50) -> dict:
             src = torch.empty(payload, dtype=torch.uint8, device="cuda")
             dst = torch.empty_like(src)
             gc = capture_graph(lambda src=src, dst=dst: dst.copy_(src), stream=part.comm_stream)[0]
-            gp = capture_graph(lambda x=x, ids=ids, w=w: rank.publish(x, ids, w), stream=part.comm_stream)[0]
+            gp = capture_graph(lambda x=x, ids=ids, w=w, rank=rank: rank.publish(x, ids, w), stream=part.comm_stream)[0]
             us = time_interleaved({"dispatch": gd, "copy": gc, "publish": gp}, iters)  # side by side
             d_us, c_us = us["dispatch"], us["copy"]
             ws.check()
