@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from gcmoe_core.formats import e2m1_decode, pack_nibbles
-from gcmoe_gemm_sm90.decode_ptx import E4M3_OF_E2M1, decode8_reference
+from gcmoe_gemm_sm90.decode_ptx import (
+    E4M3_OF_E2M1,
+    decode8_reference,
+    decode8_split_sign_reference,
+    split_sign_word,
+)
 
 
 def _e4m3_bytes(values: torch.Tensor) -> list[int]:
@@ -28,6 +33,20 @@ def test_decode8_model_exhaustive_per_nibble():
         got = list(lo.to_bytes(4, "little") + hi.to_bytes(4, "little"))
         # E2M1 -0 (code 8) decodes to E4M3 -0 (0x80); torch gives -0.0 -> 0x80 too
         assert got == want, hex(word)
+
+
+def test_split_sign_decode_matches_standard():
+    """The grouped kernels' decode of the split-sign layout gives the same bytes as the standard decode, for every
+    LUT (each relative exponent's table)."""
+    from gcmoe_gemm_sm90.prepack import lut_words
+
+    g = torch.Generator().manual_seed(3)
+    words = [int(v) for v in torch.randint(0, 2**32, (2000,), generator=g, dtype=torch.int64)]
+    words += [0, 0xFFFFFFFF, 0x88888888, 0x76543210, 0xFEDCBA98, 0x80000008]
+    luts = [(int(lo) & 0xFFFFFFFF, int(hi) & 0xFFFFFFFF) for lo, hi in lut_words().tolist()]
+    for i, word in enumerate(words):
+        lo, hi = luts[i % len(luts)]
+        assert decode8_split_sign_reference(split_sign_word(word), lo, hi) == decode8_reference(word, lo, hi), hex(word)
 
 
 @pytest.mark.compile

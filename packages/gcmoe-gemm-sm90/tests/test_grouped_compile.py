@@ -1,32 +1,36 @@
-"""Offline (CPU) compile of the grouped W1/W2 kernels for sm_90a: register-A QGMMA present, no local memory."""
+"""Offline (CPU) compile of the grouped W1/W2 kernels for sm_90a: register-A QGMMA present, no local memory, the
+weights streamed the configured way (bulk copy into shared memory + 16-byte shared loads, or 16-byte global loads)."""
 
 import re
 
 import pytest
 
 from gcmoe_core.cutedsl import sass_opcodes
-from gcmoe_gemm_sm90.config import Sm90Config
+from gcmoe_gemm_sm90.config import Sm90Config, choose_config, registers_config
 
 pytestmark = pytest.mark.compile
 
+W1_W2 = (("w1", 4096, 7168), ("w2", 7168, 2048))
 VARIANTS = [
     ("w1", 4096, 4096, Sm90Config(8, 4, 4)),
-    ("w2", 4096, 2048, Sm90Config(8, 4, 4)),
-    ("w1", 4096, 7168, Sm90Config(16, 4, 4)),
+    ("w2", 4096, 2048, Sm90Config(8, 4, 1)),
     ("w1", 4096, 4096, Sm90Config(32, 4, 2)),
-    ("w2", 7168, 2048, Sm90Config(32, 4, 2)),
-    ("w1", 4096, 7168, Sm90Config(8, 4, 2, 2)),  # the chosen small-T configuration: 2 CTAs/SM, <= 128 registers
-    ("w2", 7168, 2048, Sm90Config(16, 4, 2, 2)),
-    ("w1", 4096, 7168, Sm90Config(8, 4, 2, 2, smem_scales=False)),  # the v2 ablation
-    ("w1", 4096, 7168, Sm90Config(64, 4, 4, 1)),  # T >= 128: one pass over the weights for up to 64 rows
-    ("w2", 7168, 2048, Sm90Config(64, 4, 4, 1)),
+    ("w1", 4096, 7168, Sm90Config(8, 4, 2, 2, smem_scales=False)),  # activation scales from global memory (v2)
+    ("w1", 4096, 7168, Sm90Config(16, 4, 2, 2, splits=(4, 4))),  # K splits over a 4-CTA cluster
+    # the chosen configurations (T = 1, 32, 64, 256 on a DeepSeek-V3 EP8 rank) and their v4 ablations
+    *[(mode, m, k, choose_config(t, 8, 32)) for t in (1, 32, 64, 256) for mode, m, k in W1_W2],
+    *[(mode, m, k, registers_config(choose_config(t, 8, 32))) for t in (1, 32, 256) for mode, m, k in W1_W2],
 ]
 
 
 @pytest.mark.parametrize(
     ("mode", "m", "k", "cfg"),
     VARIANTS,
-    ids=lambda v: str(v) if not hasattr(v, "n_tile") else f"n{v.n_tile}p{v.prefetch}o{v.occupancy}s{v.smem_scales:d}",
+    ids=lambda v: (
+        str(v)
+        if not hasattr(v, "n_tile")
+        else f"n{v.n_tile}s{v.stages}p{v.prefetch}o{v.occupancy}ss{v.smem_scales:d}{'tma' if v.tma_weights else 'reg'}"
+    ),
 )
 def test_grouped_kernel_sass(mode, m, k, cfg):
     from gcmoe_gemm_sm90.kernel_grouped import compiled
@@ -37,7 +41,16 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
     # register-A WGMMA: the A operand is a register (R..), B a shared-memory descriptor
     assert re.search(rf"QGMMA\.64x{n}x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", sass), "no register-A QGMMA"
     ops = sass_opcodes(sass)
-    assert "LDG.E.128" in ops and "PRMT" in ops and "UTMALDG.2D" in ops
+    assert "PRMT" in ops and "UTMALDG.2D" in ops
+    if cfg.tma_weights:  # weights: one bulk copy per window into the stage, 16-byte shared loads, no global loads
+        assert "UBLKCP.S.G" in ops and "LDS.128" in ops and "LDG.E.128" not in ops
+    else:
+        assert "LDG.E.128" in ops
+    # the WGMMAs are pipelined: one wait per window (8 QGMMAs), not one after each (ptxas C7513/C7515 serialisation)
+    qgmma, waits = len(re.findall(r"\bQGMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))
+    assert waits * 4 <= qgmma, f"WGMMAs serialised: {waits} waits for {qgmma} QGMMAs"
+    if max(cfg.splits) > 1:  # K splits: cluster barriers and the partials pushed to the leader
+        assert "UCGABAR_ARV" in ops and "UCGABAR_WAIT" in ops
     assert not {o.split(".")[0] for o in ops} & {"LDL", "STL"}, "local-memory spills"
     assert kern.resources()["LOCAL"] == 0 and kern.resources()["STACK"] == 0
     assert kern.resources()["REG"] <= (128 if cfg.occupancy == 2 else 255)

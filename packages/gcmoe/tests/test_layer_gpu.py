@@ -52,5 +52,8 @@ def test_cuda_graph_capture_and_replay(backend, tol):
 @pytest.mark.sm90
 def test_auto_picks_sm90_on_hopper():
     assert gcmoe.choose(torch.device("cuda"), None, CFG) == "sm90"
-    odd = CFG.replace(intermediate_size=384)  # 3 K windows for W2: not a multiple of the prefetch depth
-    assert gcmoe.choose(torch.device("cuda"), None, odd) == "reference"
+    odd = CFG.replace(intermediate_size=384)  # 3 K windows for W2: one window per loop step (tma weights)
+    assert gcmoe.choose(torch.device("cuda"), None, odd) == "sm90"
+    x, ids, w, weights, floats = make_problem(Case(odd, 9, "uniform", seed=4))
+    layer = gcmoe.MoELayer(odd, device="cuda", backend="sm90").load_weights(*floats)
+    assert calc_diff(layer(x.cuda(), ids.cuda(), w.cuda()).cpu(), moe_reference(x, ids, w, weights)) < 1e-3

@@ -3,6 +3,9 @@
 bits_to_f32 / f32_to_bits      reinterpret 32 bits
 cvt_e4m3x2(hi, lo)             two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits
 cvt_bf16x2(hi, lo)             two fp32 -> two bf16 (RNE) in one 32-bit word, lo in the low half
+bulk_copy_g2s(dst, src, n, mbar)  n bytes global -> this CTA's shared memory by the bulk-copy engine (no tensor map),
+                               completing n bytes of transaction on the mbarrier at shared address mbar
+st_cluster_f32(addr, rank, v)  store v at shared address addr of CTA `rank` of this cluster (distributed shared memory)
 fp8_pow2_exponent(amax)        e of the power-of-two FP8 scale, smallest 2^e with amax <= 448 * 2^e, in [-126, 126]
                                (formats.fp8_scale_for_amax, bit-exact; amax = 0 gives e = 0)
 """
@@ -54,6 +57,50 @@ def cvt_e4m3x2(hi, lo, *, loc=None, ip=None):
 def cvt_bf16x2(hi, lo, *, loc=None, ip=None):
     """Two fp32 -> two bf16 (round to nearest even, as torch's .to(bfloat16)): lo in bits 0-15, hi in 16-31."""
     return _cvt_pair("cvt.rn.bf16x2.f32 $0, $1, $2;", hi, lo, loc, ip)
+
+
+@dsl_user_op
+def bulk_copy_g2s(smem_dst, gmem_src, nbytes, mbar, *, loc=None, ip=None):
+    """cp.async.bulk of nbytes (a multiple of 16; both addresses 16-byte aligned) from global address gmem_src to the
+    shared address smem_dst of this CTA, signalling complete_tx on the mbarrier at shared address mbar. One thread
+    issues it; the mbarrier must expect the bytes (arrive.expect_tx) in the same phase."""
+    llvm.inline_asm(
+        None,
+        [
+            Int32(smem_dst).ir_value(loc=loc, ip=ip),
+            cutlass.Int64(gmem_src).ir_value(loc=loc, ip=ip),
+            Int32(nbytes).ir_value(loc=loc, ip=ip),
+            Int32(mbar).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def st_cluster_f32(smem_addr, rank, val, *, loc=None, ip=None):
+    """st.shared::cluster of one fp32 to shared address smem_addr (an address of this kernel's shared layout) in the
+    CTA of cluster rank `rank` (mapa). Weak: order it with barrier.cluster arrive (release) / wait (acquire)."""
+    llvm.inline_asm(
+        None,
+        [
+            Int32(smem_addr).ir_value(loc=loc, ip=ip),
+            Int32(rank).ir_value(loc=loc, ip=ip),
+            Float32(val).ir_value(loc=loc, ip=ip),
+        ],
+        "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $0, $1;\nst.shared::cluster.f32 [ra], $2;\n}",
+        "r,r,f,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
 
 
 @cute.jit

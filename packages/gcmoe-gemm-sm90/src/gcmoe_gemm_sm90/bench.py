@@ -6,6 +6,10 @@ token count, side by side in one run with the FP4 floor and the torch peers doin
 Per point (CUDA-graph replay, cold L2, medians; variants interleaved A B C A B C):
     ours_kernels   our W1 + W2 launches on prepared rows (what the operator's compute node runs)
                    (ours are CUDA-graph replays; the torch peers are launched eagerly, see bench_point)
+    ours_w1        the W1 launch alone (W2's share is the difference)
+    ours_kernels_v4  the same tile with the weights loaded into registers by each thread (the v4 kernel, ablation)
+    ours_kernels_n32 for N = 64 points, the N = 32 tile (ablation)
+    ours_kernels_splitAB  (T <= --split-sweep) W1 / W2 with A / B K splits instead of the chosen ones
     ours_layer     + routing metadata, FP8 quantisation of x, and the slot combine (the whole torch-visible layer)
     torch_fp8      torch._scaled_grouped_mm (FP8 rowwise) W1, SwiGLU + routing weight in torch, FP8 requant, W2
     torch_bf16     torch._grouped_mm (BF16) for the same
@@ -27,7 +31,7 @@ from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.testing import make_tokens, make_weights
 from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, time_interleaved
 
-from .config import Sm90Config
+from .config import can_implement, registers_config, with_splits
 from .ops import MoESm90, w1, w2
 
 MODELS = ("deepseek-v4-flash", "deepseek-v3", "glm-5", "glm-4.5")
@@ -72,32 +76,49 @@ class TorchPeer:
         return torch._grouped_mm(hh.to(torch.bfloat16), self.w2, offs=offs_end)
 
 
-def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: bool) -> dict:
+def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: bool, split_sweep: bool) -> dict:
     cfg = MoEConfig.ep_slice(model, ep, max_tokens_per_rank=max(256, tokens), num_shared_experts=0)
     weights = make_weights(cfg, seed=1, device="cuda")
     moe = MoESm90.from_weights(weights)
     x, ids, w = make_tokens(cfg, tokens, seed=tokens, device="cuda")
     kcfg = moe.config_for(tokens, cfg.top_k)
+    h, i = cfg.hidden_size, cfg.intermediate_size
     out = torch.empty(ids.numel(), cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
 
     def kernels_for(c):  # rows grouped and quantised for c's N tile outside the graph: the compute node's work
         layout = group_rows(ids, cfg.num_experts, c.n_tile)
         acts = prepare_activations(x, w, layout, cfg.top_k)
 
-        def run():
+        def run(w1_only=False):
             hq, hsT = w1(moe.w13, acts, layout, c)
-            w2(moe.w2, hq, hsT, layout, out, c)
+            if not w1_only:
+                w2(moe.w2, hq, hsT, layout, out, c)
 
         return run, layout
 
     run, layout = kernels_for(kcfg)
-    graphs = {"ours_kernels": _graph(run), "ours_layer": _graph(lambda: moe.forward(x, ids, w))}
-    # ablations, timed interleaved with the chosen configuration: the activation scales loaded from global memory
-    # in the window loop (the v2 kernel), and for N = 64 the previous largest tile, N = 32
+    graphs = {
+        "ours_kernels": _graph(run),
+        "ours_w1": _graph(lambda: run(w1_only=True)),
+        "ours_layer": _graph(lambda: moe.forward(x, ids, w)),
+    }
+    # ablations, timed interleaved with the chosen configuration: the weights through registers (the v4 kernel), and
+    # for N = 64 the previous largest tile, N = 32
     # (each variant's closure owns its rows: keep it alive as long as its graph, which only holds their addresses)
-    variants = {"ours_kernels_v2": kernels_for(dataclasses.replace(kcfg, smem_scales=False))[0]}
+    variants = {"ours_kernels_v4": kernels_for(registers_config(with_splits(kcfg, (1, 1), h, i)))[0]}
     if kcfg.n_tile == 64:
-        variants["ours_kernels_n32"] = kernels_for(Sm90Config(32, 4, 4, 1))[0]
+        variants["ours_kernels_n32"] = kernels_for(dataclasses.replace(kcfg, n_tile=32))[0]
+    if split_sweep:  # K splits of W1 and W2 other than the chosen ones
+        for sp in ((1, 1), (2, 1), (2, 2), (4, 2), (4, 4)):
+            try:
+                c = with_splits(kcfg, sp, h, i)
+            except ValueError:  # no stage count fits the partial buffers
+                continue
+            shapes = ((2 * i, h), (h, i))
+            if sp != kcfg.splits and all(
+                can_implement(m, k, cfg.num_experts, c, splits=s) is None for (m, k), s in zip(shapes, sp, strict=True)
+            ):
+                variants[f"ours_kernels_split{sp[0]}{sp[1]}"] = kernels_for(c)[0]
     graphs.update({name: _graph(fn) for name, fn in variants.items()})
     rec = {
         "model": model,
@@ -106,6 +127,9 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
         "n_tile": kcfg.n_tile,
         "prefetch": kcfg.prefetch,
         "stages": kcfg.stages,
+        "splits": list(kcfg.splits),
+        "occupancy": kcfg.occupancy,
+        "tma_weights": kcfg.tma_weights,
         "active_experts": int(torch.unique(ids).numel()),
         "max_rows_per_expert": int(layout.counts.max()),
     }
@@ -147,6 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--split-sweep", type=int, default=8, help="time other K splits up to this token count")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,7 +179,7 @@ def main(argv=None) -> int:
     recs = []
     for model in args.models:
         for t in args.tokens:
-            r = bench_point(model, t, args.ep, bw, args.iters, not args.no_peers)
+            r = bench_point(model, t, args.ep, bw, args.iters, not args.no_peers, t <= args.split_sweep)
             torch.cuda.empty_cache()  # the point's weights and graphs are gone with its frame
             recs.append(r)
             print(json.dumps(r), flush=True)
@@ -175,20 +200,32 @@ def main(argv=None) -> int:
         meta["cutlass_dsl"] = getattr(cutlass, "__version__", "unknown")
     (out / "sm90_grouped.json").write_text(json.dumps({"meta": meta, "records": recs}, indent=2))
     head = (
-        "| model | T | N tile | active | floor µs | W1+W2 µs | × floor | W1+W2 v2 (scales from global) µs |"
-        " W1+W2 N 32 µs | layer µs | torch FP8 µs | torch BF16 µs | vs FP8 | vs BF16 |"
+        "| model | T | N tile | active | floor µs | W1+W2 µs | × floor | W1+W2 v4 (weights via registers) µs |"
+        " W1+W2 N 32 µs | W1 µs | layer µs | torch FP8 µs | torch BF16 µs | vs FP8 | vs BF16 |"
     )
-    rows = [head, "|" + " --- |" * 14]
+    rows = [head, "|" + " --- |" * 15]
     for r in recs:
         f = lambda k, r=r: f"{r[k]:.1f}" if k in r else "–"
         s = lambda k, r=r: f"{r[k]:.2f}×" if k in r else "–"
         rows.append(
             f"| {r['model']} | {r['tokens']} | {r['n_tile']} | {r['active_experts']} | {r['floor_us']:.1f} | "
-            f"{r['ours_kernels_us']:.1f} | {r['x_floor']:.2f} | {f('ours_kernels_v2_us')} | "
-            f"{f('ours_kernels_n32_us')} | {f('ours_layer_us')} | "
+            f"{r['ours_kernels_us']:.1f} | {r['x_floor']:.2f} | {f('ours_kernels_v4_us')} | "
+            f"{f('ours_kernels_n32_us')} | {f('ours_w1_us')} | {f('ours_layer_us')} | "
             f"{f('torch_fp8_us')} | "
             f"{f('torch_bf16_us')} | {s('speedup_vs_torch_fp8')} | {s('speedup_vs_torch_bf16')} |"
         )
+    sweep = [
+        f"| {r['model']} | {r['tokens']} | {r['splits'][0]}/{r['splits'][1]} | {r['ours_kernels_us']:.1f} | "
+        + " | ".join(
+            f"{k[len('ours_kernels_split') : -3]}: {v:.1f}" for k, v in r.items() if k.startswith("ours_kernels_split")
+        )
+        + " |"
+        for r in recs
+        if any(k.startswith("ours_kernels_split") for k in r)
+    ]
+    if sweep:
+        rows += ["", "K splits (W1 W2): µs of the chosen and of the others", "", "| model | T | chosen | µs | others |"]
+        rows += ["| --- | --- | --- | --- | --- |", *sweep]
     md = (
         f"# sm90 grouped FP8×MXFP4 GEMMs — {meta['device']}, {meta['date']}\n\n"
         f"torch {meta['torch']}, cutlass-dsl {meta['cutlass_dsl']}, copy bandwidth {meta['copy_tb_s']:.2f} TB/s; "

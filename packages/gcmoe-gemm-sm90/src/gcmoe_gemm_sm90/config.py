@@ -2,20 +2,32 @@
 
 n_tile     tokens per WGMMA N tile (8, 16, 32 or 64): an expert with more tokens runs several N tiles, each
            re-reading its weights; the activation rows of every expert are padded to a multiple of n_tile
-stages     shared-memory stages of the activation (B) TMA pipeline, one 128-K window each
-prefetch   128-K windows of weights each thread keeps in flight in registers (2 or 4; divides K/128)
+stages     shared-memory stages of the TMA pipeline, one 128-K window each (activations; with tma_weights also the
+           window's weights and scale records)
+prefetch   tma_weights: windows decoded per loop iteration (1, 2 or 4); registers: 128-K windows of weights each
+           thread keeps in flight in registers (2 or 4); divides K/128
 occupancy  CTAs per SM the register budget is sized for (1: up to 255 registers, 2: up to 128)
 smem_scales  stage each N tile's activation scales (all windows) in shared memory once, instead of a global load per
            window inside the mainloop (False: the v2 kernel, kept for the ablation)
+tma_weights  the weights and scale records of each window arrive in the pipeline's shared-memory stage by one bulk copy
+           (v5: bytes in flight = stages x 17 KB per CTA, no registers held); False: each thread's 16-byte global loads
+           `prefetch` windows ahead into registers (v4, kept for the ablation)
+splits     (W1, W2) K splits: S CTAs of one thread-block cluster each stream 1/S of a tile's K windows; the S - 1
+           others push their partial sums into the leader's shared memory, which adds them in split order and runs
+           the epilogue (more CTAs when there are fewer tiles than SM slots; tma_weights only)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 N_TILES = (8, 16, 32, 64)
 WINDOW_K = 128
 TILE_M = 256
+WINDOW_WEIGHT_BYTES = TILE_M * WINDOW_K // 2  # one CTA tile's FP4 weights of one 128-K window (16 KB)
+WINDOW_SCALE_BYTES = TILE_M * 4  # its scale records, one int32 per weight row
+SPLIT_FILL = 0.5  # K-split a kernel until its expected tiles fill half the SM slots (2 CTAs per SM at T = 1)
+SMEM_PER_SM = 228 * 1024  # H100 / H200: 227 KB usable by one CTA, 1 KB reserved per resident CTA
 
 
 @dataclass(frozen=True)
@@ -25,20 +37,43 @@ class Sm90Config:
     prefetch: int = 4
     occupancy: int = 1
     smem_scales: bool = True
+    tma_weights: bool = True
+    splits: tuple[int, int] = (1, 1)
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:
             raise ValueError(f"Sm90Config: n_tile must be one of {N_TILES}, got {self.n_tile}")
         if self.stages < 2 or self.stages > 8:
             raise ValueError(f"Sm90Config: stages must be in 2..8, got {self.stages}")
-        if self.prefetch not in (2, 4):
-            raise ValueError(f"Sm90Config: prefetch must be 2 or 4, got {self.prefetch}")
+        if self.prefetch not in ((1, 2, 4) if self.tma_weights else (2, 4)):
+            raise ValueError(f"Sm90Config: prefetch must be 2 or 4 (1 too with tma_weights), got {self.prefetch}")
+        if any(sp not in (1, 2, 4) for sp in self.splits) or len(self.splits) != 2:
+            raise ValueError(f"Sm90Config: splits must be two of 1, 2, 4 (W1, W2), got {self.splits}")
+        if self.splits != (1, 1) and not self.tma_weights:
+            raise ValueError("Sm90Config: K splits need tma_weights")
         if self.occupancy not in (1, 2):
             raise ValueError(f"Sm90Config: occupancy must be 1 or 2, got {self.occupancy}")
 
 
-def choose_config(tokens_per_rank: int, top_k: int, num_experts: int) -> Sm90Config:
-    """Smallest N tile that holds an expert's expected token count with room for imbalance (x2), capped at 64."""
+def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1) -> int:
+    """Shared memory of one CTA of the kernel for reduction length k with `splits` K splits (the kernel's Shared
+    struct, plus alignment)."""
+    n, nw = cfg.n_tile, k // WINDOW_K
+    stage = n * WINDOW_K + (WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES if cfg.tma_weights else 0)
+    fixed = 16 * cfg.stages + 128 + 32 * n + (4 * nw * n if cfg.smem_scales else 4) + 1024 + 128 + 16
+    return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)
+
+
+def smem_limit(occupancy: int) -> int:
+    return min(227 * 1024, SMEM_PER_SM // occupancy - 1024)
+
+
+def choose_config(
+    tokens_per_rank: int, top_k: int, num_experts: int, hidden: int = 7168, inter: int = 2048, sms: int = 132
+) -> Sm90Config:
+    """Smallest N tile that holds an expert's expected token count with room for imbalance (x2), capped at 64; K splits
+    for a kernel whose expected tiles fill less than SPLIT_FILL of the SM slots; as many pipeline stages (<= 8) as the
+    shared memory of the occupancy holds."""
     expected = max(1, tokens_per_rank * top_k // max(1, num_experts))
     want = 2 * expected
     n_tile = next((n for n in N_TILES if n >= want), N_TILES[-1])
@@ -47,23 +82,55 @@ def choose_config(tokens_per_rank: int, top_k: int, num_experts: int) -> Sm90Con
         # two N = 32 passes (H200, 2026-11-29, sm90-grouped-v4: 1.28-1.49x faster at 32-64 expected rows per expert,
         # 1.23x slower at 24)
         n_tile = 32
-    # n_tile <= 16 with 2 windows of prefetch fits 128 registers: two CTAs per SM (16 warps to hide latency);
-    # n_tile 32 / 64 need ~250 registers: one CTA per SM, 4 windows in flight (measured on the H200, 2026-11-29)
+    # n_tile <= 16 fits 128 registers: two CTAs per SM (16 warps to hide latency); n_tile 32 / 64 need more: one CTA
+    # per SM (measured on the H200, 2026-11-29)
     # shared-memory activation scales: 4-5 % faster at n_tile 16, 1-3 % at 32, 2-4 % slower at 8 (two more barriers per
     # N tile for a loop that is short at n_tile 8), side by side on the H200, 2026-11-29 (sm90-grouped-v3)
-    if n_tile <= 16:
-        return Sm90Config(n_tile=n_tile, stages=4, prefetch=2, occupancy=2, smem_scales=n_tile >= 16)
-    return Sm90Config(n_tile=n_tile, stages=4, prefetch=4, occupancy=1)
+    occupancy = 2 if n_tile <= 16 else 1
+    prefetch = 2 if (hidden // WINDOW_K) % 2 == 0 and (inter // WINDOW_K) % 2 == 0 else 1  # windows per loop step
+    cfg = Sm90Config(n_tile=n_tile, stages=2, prefetch=prefetch, occupancy=occupancy, smem_scales=n_tile >= 16)
+    # experts with at least one row under uniform routing, and each kernel's tiles against the SM slots
+    active = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** (tokens_per_rank * top_k))
+    splits = []
+    for m, k in ((2 * inter, hidden), (hidden, inter)):
+        tiles = active * m / TILE_M
+        ok = [sp for sp in (1, 2, 4) if can_implement(m, k, num_experts, cfg, splits=sp) is None]
+        splits.append(next((sp for sp in ok if tiles * sp >= SPLIT_FILL * sms * occupancy), ok[-1]))
+    return with_splits(cfg, (splits[0], splits[1]), hidden, inter)
 
 
-def can_implement(m: int, k: int, num_experts: int, cfg: Sm90Config, k_min: int = WINDOW_K) -> str | None:
+def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: int) -> Sm90Config:
+    """cfg with these K splits and as many pipeline stages (<= 8) as the shared memory of its occupancy holds."""
+    cfg = replace(cfg, splits=splits)
+    k_max, s_max = max(hidden, inter), max(splits)
+    fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k_max, s_max) <= smem_limit(cfg.occupancy)]
+    return replace(cfg, stages=max(fits))
+
+
+def registers_config(cfg: Sm90Config) -> Sm90Config:
+    """The same tile with v4's weight stream (each thread's 16-byte global loads, 2 windows ahead in registers, 4
+    activation stages), for the ablation."""
+    return replace(cfg, tma_weights=False, stages=4, prefetch=2, splits=(1, 1))
+
+
+def can_implement(
+    m: int, k: int, num_experts: int, cfg: Sm90Config, k_min: int = WINDOW_K, splits: int = 1
+) -> str | None:
     """None if the kernel handles an [E, M, K] weight tensor with this config, else why not (pure Python)."""
     if m % TILE_M:
         return f"M = {m} must be a multiple of the {TILE_M}-row CTA tile"
     if k % WINDOW_K or k < k_min:
         return f"K = {k} must be a positive multiple of the {WINDOW_K}-wide scale window"
-    if (k // WINDOW_K) % cfg.prefetch:
-        return f"K / {WINDOW_K} = {k // WINDOW_K} windows must be a multiple of prefetch = {cfg.prefetch}"
+    if (k // WINDOW_K) % (cfg.prefetch * splits):
+        return (
+            f"K / {WINDOW_K} = {k // WINDOW_K} windows must be a multiple of prefetch x K splits = "
+            f"{cfg.prefetch} x {splits}"
+        )
     if num_experts < 1 or num_experts > 2048:
         return f"experts = {num_experts} must be in 1..2048"
+    if smem_bytes(cfg, k, splits) > smem_limit(cfg.occupancy):
+        return (
+            f"{cfg.stages} stages at N tile {cfg.n_tile} and {splits} K splits need {smem_bytes(cfg, k, splits)} bytes "
+            f"of shared memory for K = {k}, over the {smem_limit(cfg.occupancy)} of occupancy {cfg.occupancy}"
+        )
     return None

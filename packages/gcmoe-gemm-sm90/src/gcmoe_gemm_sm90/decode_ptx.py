@@ -37,22 +37,57 @@ lop3.b32 $1, pos, msk, 0x80808080, 0xF8;
 }"""
 
 
+# The prepacked weights (prepack.py) move each code's sign bit so that no byte permute is needed for it: value j of the
+# low word (j = 0..3) keeps its magnitude in nibble j and has its sign at bit 8j + 3, value j of the high word keeps
+# its magnitude in nibble 4 + j and has its sign at bit 8j + 7 (the bit-3 slots of the nibbles, permuted):
+#   SIGN_BITS[n] = bit of value n's sign.  7 instructions per 8 values:
+#   magnitude: prmt over the LUT with the low 3 bits of each nibble (low word: nibbles 0-3, high: 4-7 after >> 16);
+#   sign:      low word: (word << 4) & 0x80808080, high word: word & 0x80808080, merged by the same lop3.
+SIGN_BITS = (3, 11, 19, 27, 7, 15, 23, 31)
+DECODE8_SPLIT_SIGN_PTX = """{
+.reg .b32 idx, idxh, w4, pos;
+and.b32 idx, $2, 0x77777777;
+shl.b32 w4, $2, 4;
+prmt.b32 pos, $3, $4, idx;
+lop3.b32 $0, pos, w4, 0x80808080, 0xF8;
+shr.u32 idxh, idx, 16;
+prmt.b32 pos, $3, $4, idxh;
+lop3.b32 $1, pos, $2, 0x80808080, 0xF8;
+}"""
+
+
+def split_sign_word(word: int) -> int:
+    """Standard 8-code word (code n in nibble n) -> the split-sign layout DECODE8_SPLIT_SIGN_PTX reads."""
+    out = word & 0x77777777
+    for n, bit in enumerate(SIGN_BITS):
+        out |= ((word >> (4 * n + 3)) & 1) << bit
+    return out
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    pool = (a | b << 32).to_bytes(8, "little")
+    out = 0
+    for i in range(4):
+        s = (sel >> (4 * i)) & 0xF
+        byte = pool[s & 7]
+        if s & 8:  # sign-replicate mode
+            byte = 0xFF if byte & 0x80 else 0x00
+        out |= byte << (8 * i)
+    return out
+
+
 def decode8_reference(word: int, lut_lo: int = LUT_LO, lut_hi: int = LUT_HI) -> tuple[int, int]:
     """Bit-exact Python model of DECODE8_PTX (prmt semantics included), for CPU tests."""
-
-    def prmt(a: int, b: int, sel: int) -> int:
-        pool = (a | b << 32).to_bytes(8, "little")
-        out = 0
-        for i in range(4):
-            s = (sel >> (4 * i)) & 0xF
-            byte = pool[s & 7]
-            if s & 8:  # sign-replicate mode
-                byte = 0xFF if byte & 0x80 else 0x00
-            out |= byte << (8 * i)
-        return out
-
     idx = word & 0x77777777
     w4 = (word << 4) & 0xFFFFFFFF
-    lo = prmt(lut_lo, lut_hi, idx) | (prmt(w4, word, 0xD9C8) & 0x80808080)
-    hi = prmt(lut_lo, lut_hi, idx >> 16) | (prmt(w4, word, 0xFBEA) & 0x80808080)
+    lo = _prmt(lut_lo, lut_hi, idx) | (_prmt(w4, word, 0xD9C8) & 0x80808080)
+    hi = _prmt(lut_lo, lut_hi, idx >> 16) | (_prmt(w4, word, 0xFBEA) & 0x80808080)
+    return lo, hi
+
+
+def decode8_split_sign_reference(word: int, lut_lo: int = LUT_LO, lut_hi: int = LUT_HI) -> tuple[int, int]:
+    """Bit-exact Python model of DECODE8_SPLIT_SIGN_PTX."""
+    idx = word & 0x77777777
+    lo = _prmt(lut_lo, lut_hi, idx) | ((word << 4) & 0x80808080)
+    hi = _prmt(lut_lo, lut_hi, idx >> 16) | (word & 0x80808080)
     return lo, hi

@@ -28,7 +28,8 @@ THREADS = 128
 
 
 @dsl_user_op
-def decode8(word, lut_lo, lut_hi, *, loc=None, ip=None):
+def decode8(word, lut_lo, lut_hi, ptx: str = DECODE8_PTX, *, loc=None, ip=None):
+    """8 E2M1 codes (one word) -> 8 E4M3 bytes (two words) through the LUT; ptx: the code layout's decode."""
     i32 = T.i32()
     res = llvm.inline_asm(
         llvm.StructType.get_literal([i32, i32]),
@@ -37,7 +38,7 @@ def decode8(word, lut_lo, lut_hi, *, loc=None, ip=None):
             cutlass.Int32(lut_lo).ir_value(loc=loc, ip=ip),
             cutlass.Int32(lut_hi).ir_value(loc=loc, ip=ip),
         ],
-        DECODE8_PTX,
+        ptx,
         "=r,=r,r,r,r",
         has_side_effects=False,
         is_align_stack=False,

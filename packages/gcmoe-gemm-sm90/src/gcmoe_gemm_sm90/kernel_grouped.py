@@ -36,9 +36,17 @@ Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
 from functools import cache
 
 from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
-from gcmoe_core.kernel_helpers import bits_to_f32, cvt_e4m3x2, fake_epilogue_args, fp8_pow2_exponent
+from gcmoe_core.kernel_helpers import (
+    bits_to_f32,
+    bulk_copy_g2s,
+    cvt_e4m3x2,
+    fake_epilogue_args,
+    fp8_pow2_exponent,
+    st_cluster_f32,
+)
 
-from .config import Sm90Config
+from .config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config
+from .decode_ptx import DECODE8_SPLIT_SIGN_PTX
 from .kernel_decode import decode8
 
 cutlass, cute = cutlass_modules()
@@ -69,6 +77,8 @@ class GroupedGemmSm90:
         self.m_tiles = m // TILE_M
         self.stages = cfg.stages
         self.prefetch = cfg.prefetch
+        self.splits = cfg.splits[0 if self.is_w1 else 1]  # K splits: CTAs of one cluster, one window range each
+        self.nwk = self.windows // self.splits
 
     @cute.jit
     def __call__(
@@ -87,6 +97,7 @@ class GroupedGemmSm90:
         stream: cuda.CUstream,
     ):
         f8 = cutlass.Float8E4M3FN
+        tma_w = self.cfg.tma_weights
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             f8,
             f8,
@@ -104,6 +115,10 @@ class GroupedGemmSm90:
             cpasync.CopyBulkTensorTileG2SOp(), x, b_smem_one, (self.n, WINDOW_K)
         )
 
+        w_words = WINDOW_WEIGHT_BYTES // 4 * self.stages if tma_w else 4
+        s_words = WINDOW_SCALE_BYTES // 4 * self.stages if tma_w else 4
+        part_words = (self.splits - 1) * self.n * THREADS if self.splits > 1 else 4
+
         @cute.struct
         class Shared:
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
@@ -111,11 +126,17 @@ class GroupedGemmSm90:
             red: cute.struct.MemRange[Float32, 8 * self.n]
             ssx: cute.struct.MemRange[Float32, self.windows * self.n if self.cfg.smem_scales else 1]
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
+            # tma_weights: each stage's window of weights [8 fragments][128 threads][16 B] and scale records [256]
+            sW: cute.struct.Align[cute.struct.MemRange[Int32, w_words], 128]
+            sS: cute.struct.Align[cute.struct.MemRange[Int32, s_words], 16]
+            # K splits: partial accumulators the cluster's other CTAs push to the leader, [split - 1][i][thread]
+            part: cute.struct.Align[cute.struct.MemRange[Float32, part_words], 16]
 
         self.shared = Shared
         self.kernel(wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, tiled_mma, b_smem_staged).launch(
-            grid=[self.m_tiles, num_experts, 1],
+            grid=[self.m_tiles, num_experts, self.splits],
             block=[THREADS, 1, 1],
+            cluster=[1, 1, self.splits] if self.splits > 1 else None,
             smem=Shared.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=self.cfg.occupancy,  # occupancy 2 caps the registers at 128 (65536 / (2 * 256))
@@ -139,9 +160,11 @@ class GroupedGemmSm90:
         tiled_mma: cute.TiledMma,
         b_smem_staged: cute.ComposedLayout,
     ):
-        n_tile, nw, depth = self.n, self.windows, self.prefetch
+        n_tile, depth = self.n, self.prefetch
+        nw = self.nwk  # windows of this CTA: [w_lo, w_lo + nw) of the tile's K (all of them without K splits)
         tidx, _, _ = cute.arch.thread_idx()
-        mt, e, _ = cute.arch.block_idx()
+        mt, e, ks = cute.arch.block_idx()  # ks: K split = rank in the cluster (clusters run along z)
+        w_lo = ks * nw
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = tidx // 128  # warpgroup j
         tw = tidx % 128
@@ -167,48 +190,64 @@ class GroupedGemmSm90:
         if tidx < 32:
             slut[tidx] = lut[tidx]
 
+        tma_w = self.cfg.tma_weights
         b_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(b_smem_staged, (None, None, 0)))
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-            tx_count=b_bytes,
+            tx_count=b_bytes + (WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES if tma_w else 0),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         cute.arch.barrier()
+        if cutlass.const_expr(self.splits > 1):
+            # every CTA of the cluster has started before any pushes into the leader's shared memory
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
 
         # TMA partitions of the activation rows: (N, 128) boxes at (row tile, window)
         gX = cute.local_tile(tma_x, (n_tile, WINDOW_K), (None, None))
         tXsX, tXgX = cpasync.tma_partition(
             tma_atom, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gX, 0, 2)
         )
+        # a stage's weights as [word, thread, fragment (wg, subtile, half), stage], its scale records [row, stage]
+        sW = st.sW.get_tensor(cute.make_layout((4, 128, 8, self.stages if tma_w else 1), stride=(1, 4, 512, 4096)))
+        sS = st.sS.get_tensor(cute.make_layout((TILE_M, self.stages if tma_w else 1), stride=(1, TILE_M)))
         thr_mma = tiled_mma.get_slice(tw)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))  # (MMA, 1, 4 k32, stages)
         a_shape = thr_mma.partition_shape_A((64, WINDOW_K))
         c_shape = thr_mma.partition_shape_C((64, n_tile))
+        # A fragments and window accumulators of subtiles 0 and 1
         frag0 = cute.make_rmem_tensor(a_shape, cutlass.Float8E4M3FN)
         frag1 = cute.make_rmem_tensor(a_shape, cutlass.Float8E4M3FN)
         fw0 = cute.recast_tensor(frag0, Int32)
         fw1 = cute.recast_tensor(frag1, Int32)
-        acc0 = cute.make_rmem_tensor(c_shape, Float32)
-        acc1 = cute.make_rmem_tensor(c_shape, Float32)
         accw0 = cute.make_rmem_tensor(c_shape, Float32)
         accw1 = cute.make_rmem_tensor(c_shape, Float32)
-        nacc = cute.size(acc0)  # n_tile / 2 values: v0 (col +1), v1 (row +8), q (col +8)
+        acc0 = cute.make_rmem_tensor(c_shape, Float32)
+        acc1 = cute.make_rmem_tensor(c_shape, Float32)
         ncol = n_tile // 4  # token columns per thread: 2 t0 + v0 + 8 q
+        part_layout = cute.make_layout(
+            (max(1, self.splits - 1), n_tile, THREADS), stride=(n_tile * THREADS, THREADS, 1)
+        )
 
-        # register prefetch of weights: abuf[word 0..3, half, sub, slot], sbuf[row u, sub, slot]
+        # a window's weights and scale words per thread: abuf[word 0..3, half, sub, slot], sbuf[row u, sub, slot]
+        # (registers mode: `depth` windows in flight; tma mode: the window being decoded, read from its stage)
         abuf = cute.make_rmem_tensor((4, 2, 2, depth), Int32)
         sbuf = cute.make_rmem_tensor((2, 2, depth), Int32)
-        prev_rs = cute.make_rmem_tensor((2, 2), Float32)  # [row u, sub] of the window in flight
-        prev_sx = cute.make_rmem_tensor(ncol, Float32)
-        cur_sx = cute.make_rmem_tensor(ncol, Float32)
+        rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales [row u, sub] of the window in flight
+        sx = cute.make_rmem_tensor(ncol, Float32)  # (v2 path) its activation scales per token column
 
-        blk0 = (e * self.m_tiles + mt) * nw  # window-major index base
+        blk0 = (e * self.m_tiles + mt) * self.windows + w_lo  # window-major index of this CTA's first window
         srow0 = 128 * wg + 16 * wwarp + g  # CTA row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
+        # bulk-copy addresses (tma mode): this tile's window records in global memory, the stages in shared memory
+        w_src = wq.iterator.toint() + cutlass.Int64(blk0) * WINDOW_WEIGHT_BYTES
+        s_src = ws.iterator.toint() + cutlass.Int64(blk0) * WINDOW_SCALE_BYTES
+        w_dst = st.sW.data_ptr().toint()
+        s_dst = st.sS.data_ptr().toint()
 
-        # total TMA loads of this CTA: n_tiles * nw windows; thread 0 produces, S-1 ahead
+        # total pipeline stages of this CTA: n_tiles * nw windows; warp 0 produces, S-1 ahead
         total = n_tiles * nw
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -218,16 +257,7 @@ class GroupedGemmSm90:
         if warp_idx == 0:  # the whole warp: the pipeline's arrive and the TMA issue elect one lane themselves
             for _ in cutlass.range_constexpr(self.stages - 1):
                 if issued < total:
-                    pipe.producer_acquire(prod)
-                    it_t = issued // nw
-                    it_w = issued - it_t * nw
-                    cute.copy(
-                        tma_atom,
-                        tXgX[(None, tile_row0 + it_t, it_w)],
-                        tXsX[(None, prod.index)],
-                        tma_bar_ptr=pipe.producer_get_barrier(prod),
-                    )
-                    pipe.producer_commit(prod)
+                    self.produce(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued, w_src, s_src, w_dst, s_dst)
                     prod.advance()
                     issued += 1
 
@@ -243,110 +273,219 @@ class GroupedGemmSm90:
                     i = tidx + THREADS * r
                     if i < nw * n_tile:
                         wi = i // n_tile
-                        ssx[wi, i - wi * n_tile] = sxT[wi, row_base + col_base + i - wi * n_tile]
+                        ssx[wi, i - wi * n_tile] = sxT[w_lo + wi, row_base + col_base + i - wi * n_tile]
                 cute.arch.barrier()
-            # prologue: the first `depth` windows of weights and scales
-            for j in cutlass.range_constexpr(depth):
-                self.load_window(wq, ws, abuf, sbuf, blk0 + j, wg, tw, srow0, j)
+            if cutlass.const_expr(not tma_w):
+                # prologue: the first `depth` windows of weights and scales
+                for j in cutlass.range_constexpr(depth):
+                    self.load_window(wq, ws, abuf, sbuf, blk0 + j, wg, tw, srow0, j)
+            # per window w: wait for window w - 1's WGMMAs, release its stage, refill, promote it; decode window w
+            # and issue its WGMMAs (one commit group). The wait is unconditional and waits for all: ptxas serialises
+            # every WGMMA (a wait after each) when any path writes a fragment or reads a window accumulator while a
+            # WGMMA may be in flight (C7513 / C7515; checked offline by the compile test).
             for w0 in cutlass.range(0, nw, depth, unroll=1):
                 for j in cutlass.range_constexpr(depth):
                     w = w0 + j
+                    warpgroup.wait_group(0)
                     if w > 0:
-                        warpgroup.wait_group(0)
                         pipe.consumer_release(prev)
                         if warp_idx == 0:
                             if issued < total:
-                                pipe.producer_acquire(prod)
-                                it_t = issued // nw
-                                it_w = issued - it_t * nw
-                                cute.copy(
+                                self.produce(
+                                    pipe,
+                                    prod,
                                     tma_atom,
-                                    tXgX[(None, tile_row0 + it_t, it_w)],
-                                    tXsX[(None, prod.index)],
-                                    tma_bar_ptr=pipe.producer_get_barrier(prod),
+                                    tXgX,
+                                    tXsX,
+                                    tile_row0,
+                                    w_lo,
+                                    issued,
+                                    w_src,
+                                    s_src,
+                                    w_dst,
+                                    s_dst,
                                 )
-                                pipe.producer_commit(prod)
                                 prod.advance()
                                 issued += 1
-                        self.promote(acc0, accw0, prev_rs, prev_sx, ssx, w - 1, t0, 0)
-                        self.promote(acc1, accw1, prev_rs, prev_sx, ssx, w - 1, t0, 1)
+                        self.promote(acc0, accw0, rs, sx, ssx, w - 1, t0, 0)
+                        self.promote(acc1, accw1, rs, sx, ssx, w - 1, t0, 1)
                     if cutlass.const_expr(not self.cfg.smem_scales):
                         # activation scales of this window's token columns (v2: a global load per window)
                         for c in cutlass.range_constexpr(ncol):
                             col = 2 * t0 + (c % 2) + 8 * (c // 2)
-                            cur_sx[c] = sxT[w, row_base + col_base + col]
-                    # decode this window's weights into the A fragments, remember its row scales
-                    for s in cutlass.range_constexpr(2):
-                        fw = fw0 if s == 0 else fw1
-                        for step in cutlass.range_constexpr(4):
-                            h, sh = step // 2, step % 2
-                            wa = abuf[2 * sh, h, s, j]
-                            wb = abuf[2 * sh + 1, h, s, j]
-                            dda = (sbuf[0, s, j] >> (16 + 4 * step)) & 0xF
-                            ddb = (sbuf[1, s, j] >> (16 + 4 * step)) & 0xF
-                            a0, a2 = decode8(wa, slut[2 * dda], slut[2 * dda + 1])
-                            a1, a3 = decode8(wb, slut[2 * ddb], slut[2 * ddb + 1])
-                            fw[4 * step + 0] = a0
-                            fw[4 * step + 1] = a1
-                            fw[4 * step + 2] = a2
-                            fw[4 * step + 3] = a3
-                        for u in cutlass.range_constexpr(2):
-                            prev_rs[u, s] = bits_to_f32((sbuf[u, s, j] & 0xFF) << 23)
-                    if cutlass.const_expr(not self.cfg.smem_scales):
-                        for c in cutlass.range_constexpr(ncol):
-                            prev_sx[c] = cur_sx[c]
-                    # refill this slot with window w + depth (same N tile)
-                    if w + depth < nw:
-                        self.load_window(wq, ws, abuf, sbuf, blk0 + w + depth, wg, tw, srow0, j)
-                    pipe.consumer_wait(cons)
+                            sx[c] = sxT[w_lo + w, row_base + col_base + col]
+                    if cutlass.const_expr(tma_w):
+                        pipe.consumer_wait(cons)
+                        self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, tw, srow0, j)
+                    self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
+                    self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                    if cutlass.const_expr(not tma_w):
+                        # refill this slot with window w + depth (same N tile)
+                        if w + depth < nw:
+                            self.load_window(wq, ws, abuf, sbuf, blk0 + w + depth, wg, tw, srow0, j)
+                        pipe.consumer_wait(cons)
                     warpgroup.fence()
-                    for kb in cutlass.range_constexpr(4):
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                        cute.gemm(tiled_mma, accw0, frag0[(None, None, kb)], tCrB[(None, None, kb, cons.index)], accw0)
-                    for kb in cutlass.range_constexpr(4):
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                        cute.gemm(tiled_mma, accw1, frag1[(None, None, kb)], tCrB[(None, None, kb, cons.index)], accw1)
+                    self.mma_window(tiled_mma, accw0, frag0, tCrB, cons.index)
+                    self.mma_window(tiled_mma, accw1, frag1, tCrB, cons.index)
                     warpgroup.commit_group()
                     prev = cons.clone()
                     cons.advance()
-            # drain the tile: last window's MMAs, release its stage, promote
+            # drain the tile: the last window's MMAs, release its stage, promote
             warpgroup.wait_group(0)
             pipe.consumer_release(prev)
             if warp_idx == 0:
                 if issued < total:
-                    pipe.producer_acquire(prod)
-                    it_t = issued // nw
-                    it_w = issued - it_t * nw
-                    cute.copy(
-                        tma_atom,
-                        tXgX[(None, tile_row0 + it_t, it_w)],
-                        tXsX[(None, prod.index)],
-                        tma_bar_ptr=pipe.producer_get_barrier(prod),
-                    )
-                    pipe.producer_commit(prod)
+                    self.produce(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued, w_src, s_src, w_dst, s_dst)
                     prod.advance()
                     issued += 1
-            self.promote(acc0, accw0, prev_rs, prev_sx, ssx, nw - 1, t0, 0)
-            self.promote(acc1, accw1, prev_rs, prev_sx, ssx, nw - 1, t0, 1)
-            if cutlass.const_expr(self.is_w1):
-                self.epilogue_w1(
-                    acc0,
-                    acc1,
-                    sred,
-                    ep_a,
-                    ep_b,
-                    ep_c,
-                    mt,
-                    wg,
-                    wwarp,
-                    g,
-                    t0,
-                    lane,
-                    row_base + col_base,
-                    count - col_base,
+            self.promote(acc0, accw0, rs, sx, ssx, nw - 1, t0, 0)
+            self.promote(acc1, accw1, rs, sx, ssx, nw - 1, t0, 1)
+            if cutlass.const_expr(self.splits > 1):
+                self.reduce_splits(acc0, acc1, st.part.data_ptr().toint(), st.part.get_tensor(part_layout), ks, tidx)
+            if ks == 0:  # the cluster's leader (every CTA without K splits) finishes the tile
+                if cutlass.const_expr(self.is_w1):
+                    self.epilogue_w1(
+                        acc0,
+                        acc1,
+                        sred,
+                        ep_a,
+                        ep_b,
+                        ep_c,
+                        mt,
+                        wg,
+                        wwarp,
+                        g,
+                        t0,
+                        lane,
+                        row_base + col_base,
+                        count - col_base,
+                    )
+                else:
+                    self.epilogue_w2(
+                        acc0, acc1, ep_a, ep_b, mt, wg, wwarp, g, t0, row_base + col_base, count - col_base
+                    )
+            if cutlass.const_expr(self.splits > 1):
+                if nt + 1 < n_tiles:  # the leader has read this tile's partials before they are pushed again
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+
+    @cute.jit
+    def reduce_splits(
+        self, acc0: cute.Tensor, acc1: cute.Tensor, part_addr: Int32, part: cute.Tensor, ks: Int32, tidx: Int32
+    ):
+        """K splits: CTA ks > 0 pushes its partial accumulators into slot ks - 1 of the leader's (rank 0) shared memory,
+        one cluster barrier, the leader adds them in split order (deterministic: acc_0 + acc_1 + ... )."""
+        nacc = cute.size(acc0)
+        if ks > 0:
+            slot = (ks - 1) * self.n * THREADS
+            for i in cutlass.range_constexpr(nacc):
+                st_cluster_f32(part_addr + 4 * (slot + i * THREADS + tidx), 0, acc0[i])
+                st_cluster_f32(part_addr + 4 * (slot + (nacc + i) * THREADS + tidx), 0, acc1[i])
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if ks == 0:
+            for r in cutlass.range_constexpr(self.splits - 1):
+                for i in cutlass.range_constexpr(nacc):
+                    acc0[i] = acc0[i] + part[r, i, tidx]
+                    acc1[i] = acc1[i] + part[r, nacc + i, tidx]
+
+    @cute.jit
+    def produce(
+        self,
+        pipe: pipeline.PipelineTmaAsync,
+        prod: pipeline.PipelineState,
+        tma_atom: cute.CopyAtom,
+        tXgX: cute.Tensor,
+        tXsX: cute.Tensor,
+        tile_row0: Int32,
+        w_lo: Int32,
+        it: Int32,
+        w_src: cutlass.Int64,
+        s_src: cutlass.Int64,
+        w_dst: Int32,
+        s_dst: Int32,
+    ):
+        """Fill the next stage with load `it` of this CTA (N tile it // nw, window w_lo + it % nw): the activation box
+        by TMA and, in tma mode, the window's weights and scale records by bulk copy, all on the stage's mbarrier.
+        Warp 0 runs it whole (the arrive and the TMA elect one lane); the caller advances `prod` (a rebind the DSL
+        must see in the caller's branch)."""
+        nw = self.nwk
+        it_t = it // nw
+        it_w = it - it_t * nw
+        pipe.producer_acquire(prod)
+        bar = pipe.producer_get_barrier(prod)
+        cute.copy(tma_atom, tXgX[(None, tile_row0 + it_t, w_lo + it_w)], tXsX[(None, prod.index)], tma_bar_ptr=bar)
+        if cutlass.const_expr(self.cfg.tma_weights):
+            with cute.arch.elect_one():
+                stage = prod.index
+                bulk_copy_g2s(
+                    w_dst + stage * WINDOW_WEIGHT_BYTES,
+                    w_src + cutlass.Int64(it_w) * WINDOW_WEIGHT_BYTES,
+                    WINDOW_WEIGHT_BYTES,
+                    bar.toint(),
                 )
-            else:
-                self.epilogue_w2(acc0, acc1, ep_a, ep_b, mt, wg, wwarp, g, t0, row_base + col_base, count - col_base)
+                bulk_copy_g2s(
+                    s_dst + stage * WINDOW_SCALE_BYTES,
+                    s_src + cutlass.Int64(it_w) * WINDOW_SCALE_BYTES,
+                    WINDOW_SCALE_BYTES,
+                    bar.toint(),
+                )
+        pipe.producer_commit(prod)
+
+    @cute.jit
+    def decode_subtile(
+        self,
+        abuf: cute.Tensor,
+        sbuf: cute.Tensor,
+        slut: cute.Tensor,
+        fw: cute.Tensor,
+        rs: cute.Tensor,
+        slot: cutlass.Constexpr,
+        s: cutlass.Constexpr,
+    ):
+        """Subtile s of the window in `slot`: FP4 -> E4M3 A fragment (per-group LUT of its relative exponent), and the
+        2^base row scales of its two rows."""
+        for step in cutlass.range_constexpr(4):
+            h, sh = step // 2, step % 2
+            dda = (sbuf[0, s, slot] >> (16 + 4 * step)) & 0xF
+            ddb = (sbuf[1, s, slot] >> (16 + 4 * step)) & 0xF
+            a0, a2 = decode8(abuf[2 * sh, h, s, slot], slut[2 * dda], slut[2 * dda + 1], DECODE8_SPLIT_SIGN_PTX)
+            a1, a3 = decode8(abuf[2 * sh + 1, h, s, slot], slut[2 * ddb], slut[2 * ddb + 1], DECODE8_SPLIT_SIGN_PTX)
+            fw[4 * step + 0] = a0
+            fw[4 * step + 1] = a1
+            fw[4 * step + 2] = a2
+            fw[4 * step + 3] = a3
+        for u in cutlass.range_constexpr(2):
+            rs[u, s] = bits_to_f32((sbuf[u, s, slot] & 0xFF) << 23)
+
+    @cute.jit
+    def mma_window(
+        self, tiled_mma: cute.TiledMma, accw: cute.Tensor, frag: cute.Tensor, tCrB: cute.Tensor, stage: Int32
+    ):
+        """accw = frag (64 x 128, registers) @ the stage's token tile (shared memory): 4 k32 WGMMAs (uncommitted)."""
+        for kb in cutlass.range_constexpr(4):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(tiled_mma, accw, frag[(None, None, kb)], tCrB[(None, None, kb, stage)], accw)
+
+    @cute.jit
+    def load_window_smem(
+        self,
+        sW: cute.Tensor,
+        sS: cute.Tensor,
+        abuf: cute.Tensor,
+        sbuf: cute.Tensor,
+        stage: Int32,
+        wg: Int32,
+        tw: Int32,
+        srow0: Int32,
+        slot: cutlass.Constexpr,
+    ):
+        """This thread's weights and scale words of the window in `stage` (16-byte shared loads, conflict-free)."""
+        for s in cutlass.range_constexpr(2):
+            for h in cutlass.range_constexpr(2):
+                cute.autovec_copy(sW[None, tw, wg * 4 + s * 2 + h, stage], abuf[None, h, s, slot])
+            for u in cutlass.range_constexpr(2):
+                sbuf[u, s, slot] = sS[srow0 + 64 * s + 8 * u, stage]
 
     @cute.jit
     def load_window(
@@ -379,7 +518,8 @@ class GroupedGemmSm90:
         t0: Int32,
         s: cutlass.Constexpr,
     ):
-        """acc += accw * 2^base[row] * sx[token] for window w (scales from shared memory, or v2's registers)."""
+        """acc += accw * 2^base[row] * sx[token] for window w, subtile s (token scales from shared memory, or v2's
+        registers)."""
         for i in cutlass.range_constexpr(cute.size(acc)):
             v0, v1, q = i % 2, (i // 2) % 2, i // 4
             if cutlass.const_expr(self.cfg.smem_scales):

@@ -14,6 +14,8 @@ Every step is a fixed-shape device computation: the layer captures into a CUDA g
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from gcmoe_core.cutedsl import as_cute
@@ -107,7 +109,7 @@ def w2(
 def layer_missing(hidden: int, inter: int, experts: int) -> str | None:
     """None when the kernels take a layer of this shape (with any chosen config), else why not."""
     for name, (m, k) in (("W13", (2 * inter, hidden)), ("W2", (hidden, inter))):
-        why = can_implement(m, k, experts, Sm90Config(prefetch=2))
+        why = can_implement(m, k, experts, Sm90Config(prefetch=1))  # config_for falls back to one window per step
         if why:
             return f"{name}: {why}"
     return None
@@ -149,9 +151,9 @@ class MoESm90:
         return cls(w13, w2_, num_routed)
 
     def config_for(self, tokens: int, top_k: int) -> Sm90Config:
-        cfg = self.cfg or choose_config(tokens, top_k, self.num_routed)
+        cfg = self.cfg or choose_config(tokens, top_k, self.num_routed, self.hidden, self.inter)
         if min(self.hidden, self.inter) // WINDOW_K % cfg.prefetch:
-            cfg = Sm90Config(cfg.n_tile, cfg.stages, 2)
+            cfg = replace(cfg, prefetch=1 if cfg.tma_weights else 2)
         return cfg
 
     def forward(

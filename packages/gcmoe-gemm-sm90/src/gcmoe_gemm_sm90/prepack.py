@@ -8,6 +8,8 @@ Tiling (operand swap: weight rows are WGMMA's M, tokens are N; K = reduction):
                register-A fragment for 8-bit types: a0 a1 a2 a3)
     words      word_A = row r0's 8 codes (nibbles 0-3: k = 4t.., nibbles 4-7: k = 16+4t..) -> decodes to a0, a2
                word_B = row r1's 8 codes                                            -> decodes to a1, a3
+               with the sign bits moved (decode_ptx.SIGN_BITS): code n keeps its magnitude in nibble n, its sign
+               goes to bit 8n + 3 (n < 4) or 8(n - 4) + 7, where the decode finds it without a byte permute
     data       uint8 [E, M/256, K/128, j(2), s(2), half(2), 128 tw, 16 B]; half h holds k32 steps 2h, 2h+1 as
                [A(2h), B(2h), A(2h+1), B(2h+1)]: one LDG.128 per (subtile, half) per thread, and 128 threads read
                2 KiB contiguous.
@@ -32,6 +34,8 @@ import torch
 
 from gcmoe_core.formats import E2M1_VALUES, MXFP4Tensor, check_mxfp4, e2m1_decode, unpack_nibbles
 from gcmoe_core.layouts import gate_up_permutation, inverse_permutation
+
+from .decode_ptx import SIGN_BITS
 
 TILE_M = 256
 WINDOW_K = 128
@@ -62,6 +66,18 @@ def lut_words() -> torch.Tensor:
         b = (mags * 2.0**-dd).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
         rows.append([int(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24), int(b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24)])
     return torch.tensor(rows, dtype=torch.int64).to(torch.int32)
+
+
+def _map_words(data: torch.Tensor, to_split: bool) -> torch.Tensor:
+    """uint8 [..., 4n] as little-endian 32-bit code words: standard layout (code n's sign at bit 4n + 3) <-> the
+    split-sign layout the kernel decodes (sign at SIGN_BITS[n]); magnitudes stay in place."""
+    w = data.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = w & 0x77777777
+    for n, bit in enumerate(SIGN_BITS):
+        src, dst = (4 * n + 3, bit) if to_split else (bit, 4 * n + 3)
+        out |= ((w >> src) & 1) << dst
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+    return out.view(torch.uint8).view(data.shape)
 
 
 def _thread_rows_cols():
@@ -108,7 +124,7 @@ def prepack_sm90(w: MXFP4Tensor, gate_up: bool = False) -> PackedSm90:
         out[:, :, :, :, :, :, u] = g.permute(0, 1, 5, 2, 3, 6, 4, 7)  # [E, MT, W, 2, 2, 4 steps, 128, 4]
     # [E, MT, W, j, s, steps(4)=half(2)*2, A/B, tw, 4] -> [E, MT, W, j, s, half, tw, (step-in-half, A/B, 4 B)]
     data = out.view(e, mt, nw, 2, 2, 2, 2, 2, 128, 4).permute(0, 1, 2, 3, 4, 5, 8, 6, 7, 9)
-    data = data.reshape(e, mt, nw, 2, 2, 2, 128, 16).contiguous()
+    data = _map_words(data.reshape(e, mt, nw, 2, 2, 2, 128, 16), to_split=True)
     # ---- scales
     sc = scale.view(e, mt, 256, nw, 4).to(torch.int32)
     base = sc.amax(dim=-1)
@@ -125,7 +141,7 @@ def unpack_sm90(p: PackedSm90) -> MXFP4Tensor:
     base - 15, which holds the same values: every element of it decodes to zero in the kernel as well)."""
     e, mt, nw = p.data.shape[:3]
     dev = p.data.device
-    d = p.data.view(e, mt, nw, 2, 2, 2, 128, 2, 2, 4).permute(0, 1, 2, 3, 4, 5, 7, 8, 6, 9)
+    d = _map_words(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 2, 2, 4).permute(0, 1, 2, 3, 4, 5, 7, 8, 6, 9)
     d = d.reshape(e, mt, nw, 2, 2, 4, 2, 128, 4)  # [.., step, A/B, tw, 4 B]
     r0, tt = _thread_rows_cols()
     r0, tt = r0.to(dev), tt.to(dev)
@@ -162,11 +178,12 @@ def effective_weights_sm90(w: MXFP4Tensor) -> torch.Tensor:
 
 def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
     """What the kernel's decode computes, replayed in torch from the prepacked bytes alone (bit-exact model of the
-    register path: nibble selection, LUT[dd] lookup, sign, window base), in logical row order: fp32 [E, M, K]."""
+    register path: nibble selection, LUT[dd] lookup, sign, window base), in logical row order: fp32 [E, M, K].
+    (The sign bits are read back from their split-sign positions first: decode_ptx models the PTX itself.)"""
     e, mt, nw = p.data.shape[:3]
     lut = lut_words().to(p.data.device).to(torch.int64) & 0xFFFFFFFF
     lut_bytes = torch.stack([(lut[:, i // 4] >> (8 * (i % 4))) & 0xFF for i in range(8)], dim=1)  # [16, 8]
-    words = p.data.view(e, mt, nw, 2, 2, 2, 128, 4, 4)  # [.., half, tw, word, 4 B]
+    words = _map_words(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 4, 4)  # [.., half, tw, word, 4 B]
     words = words.to(torch.int64)
     word = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [.., half, tw, 4]
     rec = p.scales.to(torch.int64) & 0xFFFFFFFF  # [E, MT, W, 256]
