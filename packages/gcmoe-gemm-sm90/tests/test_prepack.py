@@ -70,3 +70,25 @@ def test_can_implement_and_config_choice():
     assert choose_config(128, 6, 32).n_tile == 32 and choose_config(128, 8, 32).n_tile == 64  # 24 vs 32 rows/expert
     with pytest.raises(ValueError, match="n_tile"):
         Sm90Config(n_tile=24)
+
+
+def test_k_splits_stages_and_shared_memory():
+    from gcmoe_gemm_sm90.config import smem_bytes, smem_limit, with_splits
+
+    # T = 1 on a DeepSeek-V3 EP8 rank: ~7 active experts x 16 W1 tiles fill under half of 2 x 132 slots -> 2 splits;
+    # W2's 28 tiles per expert do not need them; T = 8 fills the slots without
+    one = choose_config(1, 8, 32, 7168, 2048)
+    assert one.splits == (2, 1) and choose_config(8, 8, 32, 7168, 2048).splits == (1, 1)
+    for t in (1, 8, 32, 128, 256):  # every chosen configuration fits its occupancy's shared memory
+        c = choose_config(t, 8, 32, 7168, 2048)
+        assert smem_bytes(c, 7168, max(c.splits)) <= smem_limit(c.occupancy) and 2 <= c.stages <= 8
+    four = with_splits(one, (4, 4), 7168, 2048)  # more partial buffers in the leader: fewer stages
+    assert four.stages < one.stages
+    assert "K splits" in can_implement(7168, 1536, 20, Sm90Config(prefetch=2), splits=4)  # 12 windows, 2 x 4
+    assert can_implement(7168, 1536, 20, Sm90Config(prefetch=2), splits=2) is None
+    assert "shared memory" in can_implement(4096, 7168, 32, Sm90Config(n_tile=64, stages=8, occupancy=2))
+    assert choose_config(9, 4, 16, 512, 384).prefetch == 1  # 3 windows of W2: one window per loop step
+    with pytest.raises(ValueError, match="splits"):
+        Sm90Config(splits=(3, 1))
+    with pytest.raises(ValueError, match="tma_weights"):
+        Sm90Config(tma_weights=False, splits=(2, 1))

@@ -8,6 +8,8 @@ Per point (CUDA-graph replay, cold L2, medians; variants interleaved A B C A B C
                    (ours are CUDA-graph replays; the torch peers are launched eagerly, see bench_point)
     ours_w1        the W1 launch alone (W2's share is the difference)
     ours_kernels_v4  the same tile with the weights loaded into registers by each thread (the v4 kernel, ablation)
+    ours_kernels_no_overlap  the chosen configuration with both subtiles decoded before the window's WGMMAs (ablation)
+    ours_kernels_no_pdl  the chosen configuration launched without programmatic dependent launch (ablation)
     ours_kernels_n32 for N = 64 points, the N = 32 tile (ablation)
     ours_kernels_splitAB  (T <= --split-sweep) W1 / W2 with A / B K splits instead of the chosen ones
     ours_layer     + routing metadata, FP8 quantisation of x, and the slot combine (the whole torch-visible layer)
@@ -105,7 +107,11 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
     # ablations, timed interleaved with the chosen configuration: the weights through registers (the v4 kernel), and
     # for N = 64 the previous largest tile, N = 32
     # (each variant's closure owns its rows: keep it alive as long as its graph, which only holds their addresses)
-    variants = {"ours_kernels_v4": kernels_for(registers_config(with_splits(kcfg, (1, 1), h, i)))[0]}
+    variants = {
+        "ours_kernels_v4": kernels_for(registers_config(with_splits(kcfg, (1, 1), h, i)))[0],
+        "ours_kernels_no_overlap": kernels_for(dataclasses.replace(kcfg, overlap=False))[0],
+        "ours_kernels_no_pdl": kernels_for(dataclasses.replace(kcfg, pdl=False))[0],
+    }
     if kcfg.n_tile == 64:
         variants["ours_kernels_n32"] = kernels_for(dataclasses.replace(kcfg, n_tile=32))[0]
     if split_sweep:  # K splits of W1 and W2 other than the chosen ones
@@ -201,16 +207,19 @@ def main(argv=None) -> int:
     (out / "sm90_grouped.json").write_text(json.dumps({"meta": meta, "records": recs}, indent=2))
     head = (
         "| model | T | N tile | active | floor µs | W1+W2 µs | × floor | W1+W2 v4 (weights via registers) µs |"
-        " W1+W2 N 32 µs | W1 µs | layer µs | torch FP8 µs | torch BF16 µs | vs FP8 | vs BF16 |"
+        " W1+W2 N 32 µs | no overlap µs | no PDL µs | W1 µs | layer µs | torch FP8 µs | torch BF16 µs | vs FP8 |"
+        " vs BF16 |"
     )
-    rows = [head, "|" + " --- |" * 15]
+    rows = [head, "|" + " --- |" * 17]
     for r in recs:
         f = lambda k, r=r: f"{r[k]:.1f}" if k in r else "–"
         s = lambda k, r=r: f"{r[k]:.2f}×" if k in r else "–"
         rows.append(
             f"| {r['model']} | {r['tokens']} | {r['n_tile']} | {r['active_experts']} | {r['floor_us']:.1f} | "
             f"{r['ours_kernels_us']:.1f} | {r['x_floor']:.2f} | {f('ours_kernels_v4_us')} | "
-            f"{f('ours_kernels_n32_us')} | {f('ours_w1_us')} | {f('ours_layer_us')} | "
+            f"{f('ours_kernels_n32_us')} | {f('ours_kernels_no_overlap_us')} | {f('ours_kernels_no_pdl_us')} | "
+            f"{f('ours_w1_us')} | "
+            f"{f('ours_layer_us')} | "
             f"{f('torch_fp8_us')} | "
             f"{f('torch_bf16_us')} | {s('speedup_vs_torch_fp8')} | {s('speedup_vs_torch_bf16')} |"
         )

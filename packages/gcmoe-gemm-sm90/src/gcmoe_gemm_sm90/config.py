@@ -12,6 +12,9 @@ smem_scales  stage each N tile's activation scales (all windows) in shared memor
 tma_weights  the weights and scale records of each window arrive in the pipeline's shared-memory stage by one bulk copy
            (v5: bytes in flight = stages x 17 KB per CTA, no registers held); False: each thread's 16-byte global loads
            `prefetch` windows ahead into registers (v4, kept for the ablation)
+overlap    decode subtile 1 of a window while subtile 0's WGMMAs run (False: decode both, then issue all 8)
+pdl        programmatic dependent launch: W2's CTAs start in W1's tail and stream their first weight stages before
+           waiting for W1 (griddepcontrol); W1 waits for its producer before reading anything
 splits     (W1, W2) K splits: S CTAs of one thread-block cluster each stream 1/S of a tile's K windows; the S - 1
            others push their partial sums into the leader's shared memory, which adds them in split order and runs
            the epilogue (more CTAs when there are fewer tiles than SM slots; tma_weights only)
@@ -39,6 +42,8 @@ class Sm90Config:
     smem_scales: bool = True
     tma_weights: bool = True
     splits: tuple[int, int] = (1, 1)
+    overlap: bool = True
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:
@@ -109,8 +114,9 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
 
 def registers_config(cfg: Sm90Config) -> Sm90Config:
     """The same tile with v4's weight stream (each thread's 16-byte global loads, 2 windows ahead in registers, 4
-    activation stages), for the ablation."""
-    return replace(cfg, tma_weights=False, stages=4, prefetch=2, splits=(1, 1))
+    activation stages), for the ablation. At N = 64 without the subtile overlap: with it the register prefetch runs out
+    of registers (ptxas C7519 / C7513: serialised WGMMAs); below N = 64 with it (without, N = 16 spills)."""
+    return replace(cfg, tma_weights=False, stages=4, prefetch=2, splits=(1, 1), overlap=cfg.n_tile < 64)
 
 
 def can_implement(

@@ -6,13 +6,26 @@ scatter), one expert per grid column, register-A WGMMA with the FP4 -> E4M3 deco
     W1 epilogue: h = silu(acc[gate rows]) * acc[up rows] * route_w -> FP8 E4M3 per token per 128 columns (+ scale)
     W2 epilogue: out[dst[row], 256 mt + m] = bf16(acc[m, token])
 
-Threads: 2 warpgroups; warpgroup j owns rows [128 j, 128 j + 128) of the tile as 2 WGMMA subtiles of 64 rows. Each
-thread streams its own weight fragments with 16-byte loads `prefetch` windows ahead (weights never pass through shared
-memory), decodes them in registers (decode_ptx, per-group LUT from shared memory), and issues m64nNk32 WGMMAs with A
-from registers and B (tokens) from shared memory. Activations arrive by TMA, one 128-K window per stage; warp 0 is
-the producer (the whole warp: the pipeline's arrive and the TMA issue elect one lane with elect.sync, which hangs if
-only one lane runs it). Each window's WGMMAs accumulate into a window accumulator that is then promoted into the main
-accumulator with the window's weight base scale and the tokens' activation scales (two-level FP32 accumulation).
+Threads: 2 warpgroups; warpgroup j owns rows [128 j, 128 j + 128) of the tile as 2 WGMMA subtiles of 64 rows.
+Pipeline (PipelineTmaAsync, `stages` deep, one 128-K window per stage): warp 0 (the whole warp: the arrive and the TMA
+issue elect one lane with elect.sync, which hangs if only one lane runs it) fills a stage with the window's activation
+box by TMA and, with tma_weights, the window's 16 KB of prepacked weights and 1 KB of scale records by one bulk copy
+each, all on the stage's mbarrier. Every thread reads its own weight fragments from the stage with 16-byte shared loads
+(conflict-free), decodes them in registers (decode_ptx: split-sign layout, per-group LUT from shared memory) and issues
+m64nNk32 WGMMAs with A from registers and B (tokens) from the stage. Each window's WGMMAs accumulate into a window
+accumulator that is then promoted into the main accumulator with the window's weight base scale and the tokens'
+activation scales (two-level FP32 accumulation).
+
+Per window: one unconditional wait_group(0) for the previous window, release + refill, promote; decode subtile 0, its
+WGMMAs; decode subtile 1 while those run (overlap), its WGMMAs. ptxas serialises every WGMMA (a wait after each) if a
+wait is conditional, or an accumulator is read after a partial wait_group(1) (C7513 / C7515): the compile test checks.
+
+K splits (cfg.splits, a cluster of S CTAs along z): CTA ks streams windows [ks nw/S, (ks + 1) nw/S); the others push
+their fp32 partial accumulators into the leader's shared memory (st.shared::cluster), one cluster barrier, the leader
+adds them in split order (deterministic) and runs the epilogue.
+PDL (cfg.pdl): W1 waits for its producer (griddepcontrol.wait) before reading anything; W2 bulk-copies its first
+stages' weights (which no earlier kernel writes) before waiting for W1, so its CTAs stream weights in W1's tail. Both
+let their dependents launch right after their own wait (so a dependent may read what was written before its producer).
 
 Inputs (see ops.py for how they are made):
     wq     int32 [E*MT*W*8, 128, 4]   prepacked weights (prepack.PackedSm90.data)
@@ -24,10 +37,6 @@ Inputs (see ops.py for how they are made):
     lut    int32 [32]                  LUT[dd] words (prepack.lut_words)
     W1: rw fp32 [R] routing weight per row; hq uint8 [R, M/2] FP8 intermediate; hsT fp32 [M/256, R] its scales
     W2: dst int32 [R] output row per input row; out bf16 [R_out, M]
-
-Known repetition: warp 0's activation TMA issue is written out at three places (prologue, per window, tile drain).
-Folding it into one @cute.jit helper changes the generated code (W1 N 8: 1,360 -> 1,368 SASS instructions, W2 N 64:
-2,808 -> 2,760, a different schedule), so the fold waits for a GPU run that re-verifies and re-times it.
 
 Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
 """
@@ -137,6 +146,7 @@ class GroupedGemmSm90:
             grid=[self.m_tiles, num_experts, self.splits],
             block=[THREADS, 1, 1],
             cluster=[1, 1, self.splits] if self.splits > 1 else None,
+            use_pdl=self.cfg.pdl,
             smem=Shared.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=self.cfg.occupancy,  # occupancy 2 caps the registers at 128 (65536 / (2 * 256))
@@ -173,7 +183,11 @@ class GroupedGemmSm90:
         t0 = lane % 4
         wwarp = tw // 32  # warp within the warpgroup
 
-        count = cnt[e]
+        if cutlass.const_expr(self.cfg.pdl and self.is_w1):
+            # programmatic dependent launch: W1's rows, scales and counts come from the kernel just before it
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        count = cnt[e]  # (W2: written before W1, which let W2 launch only after its own wait)
         row_base = offs[e]
         n_tiles = (count + n_tile - 1) // n_tile
 
@@ -254,10 +268,21 @@ class GroupedGemmSm90:
         prev = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         issued = Int32(0)
         tile_row0 = row_base // n_tile
+        # prologue, S - 1 stages: the weights first (they depend on no earlier kernel), then W2 waits for W1 (PDL:
+        # W2's CTAs start in W1's tail and stream weights meanwhile), then the activation boxes
         if warp_idx == 0:  # the whole warp: the pipeline's arrive and the TMA issue elect one lane themselves
+            pre = prod.clone()
+            for i in cutlass.range_constexpr(self.stages - 1):
+                if i < total:
+                    self.produce_weights(pipe, pre, i, w_src, s_src, w_dst, s_dst)
+                    pre.advance()
+        if cutlass.const_expr(self.cfg.pdl and not self.is_w1):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+        if warp_idx == 0:
             for _ in cutlass.range_constexpr(self.stages - 1):
                 if issued < total:
-                    self.produce(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued, w_src, s_src, w_dst, s_dst)
+                    self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued)
                     prod.advance()
                     issued += 1
 
@@ -279,10 +304,12 @@ class GroupedGemmSm90:
                 # prologue: the first `depth` windows of weights and scales
                 for j in cutlass.range_constexpr(depth):
                     self.load_window(wq, ws, abuf, sbuf, blk0 + j, wg, tw, srow0, j)
-            # per window w: wait for window w - 1's WGMMAs, release its stage, refill, promote it; decode window w
-            # and issue its WGMMAs (one commit group). The wait is unconditional and waits for all: ptxas serialises
-            # every WGMMA (a wait after each) when any path writes a fragment or reads a window accumulator while a
-            # WGMMA may be in flight (C7513 / C7515; checked offline by the compile test).
+            # per window w: wait for window w - 1's WGMMAs, release its stage, refill, promote it; decode subtile 0 of
+            # w, issue its WGMMAs; decode subtile 1 while they run (cfg.overlap; else before them), issue its WGMMAs
+            # (two commit groups). The wait is
+            # unconditional and waits for all before any accumulator is read or fragment 0 rewritten: otherwise ptxas
+            # serialises every WGMMA (C7513 / C7515, e.g. for a wait under `if w > 0`, or a promote after
+            # wait_group(1); the compile test checks the waits per QGMMA).
             for w0 in cutlass.range(0, nw, depth, unroll=1):
                 for j in cutlass.range_constexpr(depth):
                     w = w0 + j
@@ -318,14 +345,20 @@ class GroupedGemmSm90:
                         pipe.consumer_wait(cons)
                         self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, tw, srow0, j)
                     self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
-                    self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                    if cutlass.const_expr(not self.cfg.overlap):
+                        self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                    if cutlass.const_expr(not tma_w):
+                        pipe.consumer_wait(cons)
+                    warpgroup.fence()
+                    self.mma_window(tiled_mma, accw0, frag0, tCrB, cons.index)
+                    if cutlass.const_expr(self.cfg.overlap):
+                        warpgroup.commit_group()
+                        self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                        warpgroup.fence()
                     if cutlass.const_expr(not tma_w):
                         # refill this slot with window w + depth (same N tile)
                         if w + depth < nw:
                             self.load_window(wq, ws, abuf, sbuf, blk0 + w + depth, wg, tw, srow0, j)
-                        pipe.consumer_wait(cons)
-                    warpgroup.fence()
-                    self.mma_window(tiled_mma, accw0, frag0, tCrB, cons.index)
                     self.mma_window(tiled_mma, accw1, frag1, tCrB, cons.index)
                     warpgroup.commit_group()
                     prev = cons.clone()
@@ -405,31 +438,56 @@ class GroupedGemmSm90:
         w_dst: Int32,
         s_dst: Int32,
     ):
-        """Fill the next stage with load `it` of this CTA (N tile it // nw, window w_lo + it % nw): the activation box
-        by TMA and, in tma mode, the window's weights and scale records by bulk copy, all on the stage's mbarrier.
-        Warp 0 runs it whole (the arrive and the TMA elect one lane); the caller advances `prod` (a rebind the DSL
-        must see in the caller's branch)."""
+        """Fill the next stage with load `it` of this CTA (N tile it // nw, window w_lo + it % nw): the window's
+        weights and scale records (tma mode) and its activation box, all on the stage's mbarrier. Warp 0 runs it whole
+        (the arrive and the TMA elect one lane); the caller advances `prod` (a rebind the DSL must see in the caller's
+        branch)."""
+        self.produce_weights(pipe, prod, it, w_src, s_src, w_dst, s_dst)
+        self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, it)
+
+    @cute.jit
+    def produce_weights(
+        self,
+        pipe: pipeline.PipelineTmaAsync,
+        prod: pipeline.PipelineState,
+        it: Int32,
+        w_src: cutlass.Int64,
+        s_src: cutlass.Int64,
+        w_dst: Int32,
+        s_dst: Int32,
+    ):
+        """Acquire the stage (arming its mbarrier for all of its bytes) and, in tma mode, bulk-copy the window's
+        weights and scale records into it."""
+        nw = self.nwk
+        it_w = it - (it // nw) * nw
+        pipe.producer_acquire(prod)
+        if cutlass.const_expr(self.cfg.tma_weights):
+            bar = pipe.producer_get_barrier(prod).toint()
+            with cute.arch.elect_one():
+                stage = prod.index
+                w_off = cutlass.Int64(it_w) * WINDOW_WEIGHT_BYTES
+                s_off = cutlass.Int64(it_w) * WINDOW_SCALE_BYTES
+                bulk_copy_g2s(w_dst + stage * WINDOW_WEIGHT_BYTES, w_src + w_off, WINDOW_WEIGHT_BYTES, bar)
+                bulk_copy_g2s(s_dst + stage * WINDOW_SCALE_BYTES, s_src + s_off, WINDOW_SCALE_BYTES, bar)
+
+    @cute.jit
+    def produce_acts(
+        self,
+        pipe: pipeline.PipelineTmaAsync,
+        prod: pipeline.PipelineState,
+        tma_atom: cute.CopyAtom,
+        tXgX: cute.Tensor,
+        tXsX: cute.Tensor,
+        tile_row0: Int32,
+        w_lo: Int32,
+        it: Int32,
+    ):
+        """The activation box of load `it` into the (acquired) stage by TMA."""
         nw = self.nwk
         it_t = it // nw
         it_w = it - it_t * nw
-        pipe.producer_acquire(prod)
         bar = pipe.producer_get_barrier(prod)
         cute.copy(tma_atom, tXgX[(None, tile_row0 + it_t, w_lo + it_w)], tXsX[(None, prod.index)], tma_bar_ptr=bar)
-        if cutlass.const_expr(self.cfg.tma_weights):
-            with cute.arch.elect_one():
-                stage = prod.index
-                bulk_copy_g2s(
-                    w_dst + stage * WINDOW_WEIGHT_BYTES,
-                    w_src + cutlass.Int64(it_w) * WINDOW_WEIGHT_BYTES,
-                    WINDOW_WEIGHT_BYTES,
-                    bar.toint(),
-                )
-                bulk_copy_g2s(
-                    s_dst + stage * WINDOW_SCALE_BYTES,
-                    s_src + cutlass.Int64(it_w) * WINDOW_SCALE_BYTES,
-                    WINDOW_SCALE_BYTES,
-                    bar.toint(),
-                )
         pipe.producer_commit(prod)
 
     @cute.jit
