@@ -12,26 +12,13 @@ copies, and the bounded spin-wait every cross-rank wait goes through. Imports Cu
 
 # No `from __future__ import annotations`: the DSL reads the annotations as live objects.
 from gcmoe_core.cutedsl import cutlass_modules
+from gcmoe_core.kernel_helpers import inline_ptx as _asm
 
 cutlass, cute = cutlass_modules()
 from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
 Int32, Int64 = cutlass.Int32, cutlass.Int64
-
-
-def _asm(ret, args, text, constraints, loc, ip):
-    return llvm.inline_asm(
-        ret,
-        [a.ir_value(loc=loc, ip=ip) for a in args],
-        text,
-        constraints,
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
 
 
 @dsl_user_op

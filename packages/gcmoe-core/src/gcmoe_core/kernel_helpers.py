@@ -1,5 +1,6 @@
 """Small device helpers the CuTe DSL kernels of several packages share (imports CuTe DSL: kernel modules only).
 
+inline_ptx(ret, args, ...)     one inline PTX block (every kernel's inline assembly goes through it)
 bits_to_f32 / f32_to_bits      reinterpret 32 bits
 cvt_e4m3x2(hi, lo)             two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits
 cvt_bf16x2(hi, lo)             two fp32 -> two bf16 (RNE) in one 32-bit word, lo in the low half
@@ -31,20 +32,25 @@ def f32_to_bits(x, *, loc=None, ip=None):
     return Int32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
-def _cvt_pair(ptx: str, hi, lo, loc, ip):
-    """One PTX conversion of two fp32 operands ($1 = hi, $2 = lo) into a 32-bit result ($0)."""
-    res = llvm.inline_asm(
-        T.i32(),
-        [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        ptx,
-        "=r,f,f",
-        has_side_effects=False,
+def inline_ptx(ret, args, text: str, constraints: str, loc, ip, side_effects: bool = True):
+    """One inline PTX block: `args` are DSL numbers (already of the operand's type), `ret` the LLVM result type (None:
+    no result). The one place the kernels of every package build inline assembly."""
+    return llvm.inline_asm(
+        ret,
+        [a.ir_value(loc=loc, ip=ip) for a in args],
+        text,
+        constraints,
+        has_side_effects=side_effects,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
         loc=loc,
         ip=ip,
     )
-    return Int32(res)
+
+
+def _cvt_pair(ptx: str, hi, lo, loc, ip):
+    """One PTX conversion of two fp32 operands ($1 = hi, $2 = lo) into a 32-bit result ($0)."""
+    return Int32(inline_ptx(T.i32(), [Float32(hi), Float32(lo)], ptx, "=r,f,f", loc, ip, side_effects=False))
 
 
 @dsl_user_op
@@ -64,43 +70,17 @@ def bulk_copy_g2s(smem_dst, gmem_src, nbytes, mbar, *, loc=None, ip=None):
     """cp.async.bulk of nbytes (a multiple of 16; both addresses 16-byte aligned) from global address gmem_src to the
     shared address smem_dst of this CTA, signalling complete_tx on the mbarrier at shared address mbar. One thread
     issues it; the mbarrier must expect the bytes (arrive.expect_tx) in the same phase."""
-    llvm.inline_asm(
-        None,
-        [
-            Int32(smem_dst).ir_value(loc=loc, ip=ip),
-            cutlass.Int64(gmem_src).ir_value(loc=loc, ip=ip),
-            Int32(nbytes).ir_value(loc=loc, ip=ip),
-            Int32(mbar).ir_value(loc=loc, ip=ip),
-        ],
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-        "r,l,r,r,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    text = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];"
+    args = [Int32(smem_dst), cutlass.Int64(gmem_src), Int32(nbytes), Int32(mbar)]
+    inline_ptx(None, args, text, "r,l,r,r,~{memory}", loc, ip)
 
 
 @dsl_user_op
 def st_cluster_f32(smem_addr, rank, val, *, loc=None, ip=None):
     """st.shared::cluster of one fp32 to shared address smem_addr (an address of this kernel's shared layout) in the
     CTA of cluster rank `rank` (mapa). Weak: order it with barrier.cluster arrive (release) / wait (acquire)."""
-    llvm.inline_asm(
-        None,
-        [
-            Int32(smem_addr).ir_value(loc=loc, ip=ip),
-            Int32(rank).ir_value(loc=loc, ip=ip),
-            Float32(val).ir_value(loc=loc, ip=ip),
-        ],
-        "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $0, $1;\nst.shared::cluster.f32 [ra], $2;\n}",
-        "r,r,f,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    text = "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $0, $1;\nst.shared::cluster.f32 [ra], $2;\n}"
+    inline_ptx(None, [Int32(smem_addr), Int32(rank), Float32(val)], text, "r,r,f,~{memory}", loc, ip)
 
 
 @cute.jit

@@ -13,6 +13,7 @@ from functools import cache
 import torch
 
 from gcmoe_core.cutedsl import as_cute, compile_kernel, cutlass_modules, target_arch
+from gcmoe_core.kernel_helpers import inline_ptx
 
 from .decode_ptx import DECODE8_PTX, LUT_HI, LUT_LO
 
@@ -31,21 +32,8 @@ THREADS = 128
 def decode8(word, lut_lo, lut_hi, ptx: str = DECODE8_PTX, *, loc=None, ip=None):
     """8 E2M1 codes (one word) -> 8 E4M3 bytes (two words) through the LUT; ptx: the code layout's decode."""
     i32 = T.i32()
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([i32, i32]),
-        [
-            cutlass.Int32(word).ir_value(loc=loc, ip=ip),
-            cutlass.Int32(lut_lo).ir_value(loc=loc, ip=ip),
-            cutlass.Int32(lut_hi).ir_value(loc=loc, ip=ip),
-        ],
-        ptx,
-        "=r,=r,r,r,r",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    args = [cutlass.Int32(word), cutlass.Int32(lut_lo), cutlass.Int32(lut_hi)]
+    res = inline_ptx(llvm.StructType.get_literal([i32, i32]), args, ptx, "=r,=r,r,r,r", loc, ip, side_effects=False)
     lo = llvm.extractvalue(i32, res, [0], loc=loc, ip=ip)
     hi = llvm.extractvalue(i32, res, [1], loc=loc, ip=ip)
     return cutlass.Int32(lo), cutlass.Int32(hi)
