@@ -92,3 +92,19 @@ def test_k_splits_stages_and_shared_memory():
         Sm90Config(splits=(3, 1))
     with pytest.raises(ValueError, match="tma_weights"):
         Sm90Config(tma_weights=False, splits=(2, 1))
+
+
+def test_launch_refuses_a_config_the_kernel_cannot_run():
+    """A K split (or unroll) that does not divide the windows would silently skip some: refused before any launch."""
+    from gcmoe_core.grouping import prepare_activations
+    from gcmoe_gemm_sm90.ops import w1
+
+    cfg = MoEConfig(
+        hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, num_shared_experts=0, max_tokens_per_rank=64
+    )
+    x, ids, w, weights, _ = make_problem(Case(cfg, 5, "uniform", seed=1))
+    moe = MoESm90.from_weights(weights)
+    layout = group_rows(ids, cfg.num_experts, 8)
+    acts = prepare_activations(x, w, layout, cfg.top_k)
+    with pytest.raises(ValueError, match="K splits"):  # W1: K = 512 is 4 windows, not a multiple of 2 x 4
+        w1(moe.w13, acts, layout, Sm90Config(n_tile=8, prefetch=2, splits=(4, 1)))
