@@ -7,7 +7,7 @@ Per point (CUDA-graph replay, cold L2, medians; variants interleaved A B C A B C
     ours_kernels   our W1 + W2 launches on prepared rows (what the operator's compute node runs)
                    (ours are CUDA-graph replays; the torch peers are launched eagerly, see bench_point)
     ours_w1        the W1 launch alone (W2's share is the difference)
-    ours_kernels_v4  the same tile with the weights loaded into registers by each thread (the v4 kernel, ablation)
+    ours_kernels_v4  the same tile and loop with v4's weight stream (each thread's global loads into registers)
     ours_kernels_no_overlap  the chosen configuration with both subtiles decoded before the window's WGMMAs (ablation)
     ours_kernels_no_pdl  the chosen configuration launched without programmatic dependent launch (ablation)
     ours_kernels_n32 for N = 64 points, the N = 32 tile (ablation)
@@ -104,7 +104,7 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
         "ours_w1": _graph(lambda: run(w1_only=True)),
         "ours_layer": _graph(lambda: moe.forward(x, ids, w)),
     }
-    # ablations, timed interleaved with the chosen configuration: the weights through registers (the v4 kernel), and
+    # ablations, timed interleaved with the chosen configuration: v4's weight stream, no subtile overlap, no PDL, and
     # for N = 64 the previous largest tile, N = 32
     # (each variant's closure owns its rows: keep it alive as long as its graph, which only holds their addresses)
     variants = {

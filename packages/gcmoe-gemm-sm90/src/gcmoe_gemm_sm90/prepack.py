@@ -1,5 +1,5 @@
 """Prepacker for the sm_90a grouped GEMMs: logical MXFP4 experts -> the per-thread register-fragment order the kernel
-loads with 16-byte LDGs, plus windowed scales. Plain torch, any device; `unpack` is the exact inverse.
+reads with 16-byte loads, plus windowed scales. Plain torch, any device; `unpack` is the exact inverse.
 
 Tiling (operand swap: weight rows are WGMMA's M, tokens are N; K = reduction):
     CTA tile   256 rows = 2 warpgroups (j) x 2 subtiles (s) x 64 rows; K in windows of 128 (4 k32 WGMMA steps)
@@ -11,8 +11,8 @@ Tiling (operand swap: weight rows are WGMMA's M, tokens are N; K = reduction):
                with the sign bits moved (decode_ptx.SIGN_BITS): code n keeps its magnitude in nibble n, its sign
                goes to bit 8n + 3 (n < 4) or 8(n - 4) + 7, where the decode finds it without a byte permute
     data       uint8 [E, M/256, K/128, j(2), s(2), half(2), 128 tw, 16 B]; half h holds k32 steps 2h, 2h+1 as
-               [A(2h), B(2h), A(2h+1), B(2h+1)]: one LDG.128 per (subtile, half) per thread, and 128 threads read
-               2 KiB contiguous.
+               [A(2h), B(2h), A(2h+1), B(2h+1)]: one 16-byte load per (subtile, half) per thread, 128 threads read
+               2 KiB contiguous, and one window of a CTA tile is 16 KiB contiguous (one bulk copy into a stage).
 
 Windowed scales (per row, per 128-K window w; one UE8M0 per 32-group q = 0..3 in the logical tensor):
     base[r, w] = max_q e[r, 4w+q];  dd[r, w, q] = min(base - e, 15)
