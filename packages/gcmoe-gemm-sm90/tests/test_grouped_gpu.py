@@ -87,9 +87,11 @@ def test_cosine_vs_bf16_path():
     assert cosine(y, yb) >= 0.97
 
 
-def test_graph_replays_bitwise_identical_with_new_routing():
+@pytest.mark.parametrize("splits", [(1, 1), (2, 2)], ids=["no-splits", "k-splits"])
+def test_graph_replays_bitwise_identical_with_new_routing(splits):
     x, ids, w, weights, _ = make_problem(Case(SMALL, 16, "uniform", seed=9), device="cuda")
-    moe = MoESm90.from_weights(weights, Sm90Config(n_tile=16, stages=3, prefetch=2))
+    prefetch = 2 if splits == (1, 1) else 1  # SMALL's W2 has 2 windows: 2 splits x 1
+    moe = MoESm90.from_weights(weights, Sm90Config(n_tile=16, stages=3, prefetch=prefetch, splits=splits))
     g, y = capture_graph(lambda: moe.forward(x, ids, w), warmup=2)
     for seed in range(3):
         nx, nids, nw, _, _ = make_problem(Case(SMALL, 16, ("uniform", "one_expert", "half_empty")[seed], 50 + seed))
