@@ -14,14 +14,13 @@ a rank of P = 8 receives on average. Per partition size and token count, graph-r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 from pathlib import Path
 
 import torch
 
 from gcmoe_core.testing import make_routing
-from gcmoe_core.timing import capture_graph, copy_bandwidth, time_interleaved
+from gcmoe_core.timing import capture_graph, copy_bandwidth, run_meta, time_interleaved
 
 from .comm import CommRank
 from .ring import RingSpec
@@ -115,19 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sms", nargs="*", type=int, default=[16, 24])
     ap.add_argument("--tokens", nargs="*", type=int, default=[1, 8, 32, 128, 256])
     args = ap.parse_args(argv)
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        dsl = version("nvidia-cutlass-dsl")
-    except PackageNotFoundError:
-        dsl = "unknown"
     res = run(args.sms, args.tokens)
-    res.update(
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(0),
-        torch=torch.__version__,
-        cutlass_dsl=dsl,
-    )
+    res.update(run_meta())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     day = res["date"][:10]

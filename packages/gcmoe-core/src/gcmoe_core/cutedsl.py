@@ -51,6 +51,21 @@ def cutlass_modules():
     return cutlass, cute
 
 
+def dsl_version() -> str | None:
+    """The installed nvidia-cutlass-dsl version (the module's own when there is no distribution record), None when
+    it is not importable. Does not import the DSL when the distribution is installed."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:
+        try:
+            cutlass, _ = cutlass_modules()
+        except Exception:
+            return None
+        return getattr(cutlass, "__version__", "importable (version unknown)")
+
+
 def dsl_available() -> str | None:
     """None when CuTe DSL imports, else why not."""
     try:

@@ -130,6 +130,21 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, iters: int = 2
     return 2 * src.numel() / (t["median_us"] * 1e-6)
 
 
+def run_meta(**extra) -> dict:
+    """What every benchmark record starts with: UTC date, device, torch and CuTe DSL versions (+ extra fields)."""
+    import datetime
+
+    from .cutedsl import dsl_version
+
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU",
+        "torch": torch.__version__,
+        "cutlass_dsl": dsl_version(),
+        **extra,
+    }
+
+
 def fp4_layer_bytes(hidden: int, inter: int, active_experts: int) -> int:
     """Weight + scale bytes a decode layer must stream: W13 and W2 of each active expert, MXFP4."""
     elems = active_experts * 3 * hidden * inter

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.testing import make_tokens, make_weights
-from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, time_interleaved
+from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
 
 from .config import can_implement, registers_config, with_splits
 from .ops import MoESm90, w1, w2
@@ -189,21 +188,10 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()  # the point's weights and graphs are gone with its frame
             recs.append(r)
             print(json.dumps(r), flush=True)
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "copy_tb_s": bw / 1e12,
-        "method": "CUDA-graph replay, cold L2 (4x L2 overwritten before each replay), median, variants interleaved",
-    }
-    try:
-        from importlib.metadata import version
-
-        meta["cutlass_dsl"] = version("nvidia-cutlass-dsl")
-    except Exception:
-        import cutlass
-
-        meta["cutlass_dsl"] = getattr(cutlass, "__version__", "unknown")
+    meta = run_meta(
+        copy_tb_s=bw / 1e12,
+        method="CUDA-graph replay, cold L2 (4x L2 overwritten before each replay), median, variants interleaved",
+    )
     (out / "sm90_grouped.json").write_text(json.dumps({"meta": meta, "records": recs}, indent=2))
     head = (
         "| model | T | N tile | active | floor µs | W1+W2 µs | × floor | W1+W2 v4 (weights via registers) µs |"

@@ -14,12 +14,13 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 from pathlib import Path
 
 import torch
+
+from gcmoe_core.timing import run_meta
 
 from .graph import LayerGraph, RoleNodes, enqueue_roles
 from .partition import Partition, device_facts, release, split_device
@@ -148,12 +149,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     facts = device_facts(0)
-    res: dict = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "facts": facts.as_dict(),
-    }
+    res: dict = run_meta(facts=facts.as_dict())
     part = split_device(16)
     res["isolation_green16"] = isolation(part)
     res["disjointness_green16"] = disjointness(part)

@@ -17,6 +17,8 @@ from importlib import metadata
 
 import torch
 
+from gcmoe_core.cutedsl import dsl_version
+
 PACKAGES = ("gcmoe", "gcmoe-core", "gcmoe-greenctx", "gcmoe-comm", "gcmoe-gemm-sm90", "gcmoe-gemm-sm103")
 
 
@@ -30,18 +32,6 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _dsl_version() -> str | None:
-    try:
-        return metadata.version("nvidia-cutlass-dsl")
-    except metadata.PackageNotFoundError:
-        try:
-            import cutlass
-
-            return getattr(cutlass, "__version__", "importable (version unknown)")
-        except ImportError:
-            return None
-
-
 def info() -> dict:
     from gcmoe_greenctx import device_facts
 
@@ -52,7 +42,7 @@ def info() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
-        "cutlass_dsl": _dsl_version(),
+        "cutlass_dsl": dsl_version(),
         "devices": [],
     }
     facts0 = device_facts(0)

@@ -8,7 +8,6 @@ the comm-path layer (gcmoe.rank_layer: publish, dispatch, W1, W2, combined, fina
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import torch
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import append_shared, group_rows, prepare_activations
 from gcmoe_core.testing import make_tokens, make_weights
-from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, time_interleaved
+from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
 from gcmoe_gemm_sm90.ops import MoESm90, w1, w2
 
 from .rank_layer import CommSm90Path
@@ -79,12 +78,7 @@ def main(argv=None) -> int:
             recs.append(point(m, t, bw, args.iters))
             torch.cuda.empty_cache()
             print(json.dumps(recs[-1]), flush=True)
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "copy_tb_s": bw / 1e12,
-    }
+    meta = run_meta(copy_tb_s=bw / 1e12)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     day = meta["date"][:10]
