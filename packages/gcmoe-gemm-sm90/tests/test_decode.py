@@ -9,7 +9,6 @@ from gcmoe_gemm_sm90.decode_ptx import (
     E4M3_OF_E2M1,
     decode8_reference,
     decode8_split_sign_reference,
-    split_sign_word,
 )
 
 
@@ -38,15 +37,19 @@ def test_decode8_model_exhaustive_per_nibble():
 def test_split_sign_decode_matches_standard():
     """The grouped kernels' decode of the split-sign layout gives the same bytes as the standard decode, for every
     LUT (each relative exponent's table)."""
-    from gcmoe_gemm_sm90.prepack import lut_words
+    from gcmoe_gemm_sm90.prepack import lut_words, sign_layout
 
     g = torch.Generator().manual_seed(3)
     words = [int(v) for v in torch.randint(0, 2**32, (2000,), generator=g, dtype=torch.int64)]
     words += [0, 0xFFFFFFFF, 0x88888888, 0x76543210, 0xFEDCBA98, 0x80000008]
     luts = [(int(lo) & 0xFFFFFFFF, int(hi) & 0xFFFFFFFF) for lo, hi in lut_words().tolist()]
+    std = torch.tensor(words, dtype=torch.int64)
+    std = torch.where(std >= 2**31, std - 2**32, std).to(torch.int32)
+    split = sign_layout(std.view(torch.uint8), to_split=True).view(torch.int32).tolist()  # the prepack's own mapping
     for i, word in enumerate(words):
         lo, hi = luts[i % len(luts)]
-        assert decode8_split_sign_reference(split_sign_word(word), lo, hi) == decode8_reference(word, lo, hi), hex(word)
+        got = decode8_split_sign_reference(split[i] & 0xFFFFFFFF, lo, hi)
+        assert got == decode8_reference(word, lo, hi), hex(word)
 
 
 @pytest.mark.compile

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from gcmoe_core.cutedsl import sass_opcodes
-from gcmoe_gemm_sm90.config import Sm90Config, choose_config, registers_config
+from gcmoe_gemm_sm90.config import Sm90Config, choose_config, registers_config, with_splits
 
 pytestmark = pytest.mark.compile
 
@@ -16,7 +16,7 @@ VARIANTS = [
     ("w2", 4096, 2048, Sm90Config(8, 4, 1)),
     ("w1", 4096, 4096, Sm90Config(32, 4, 2)),
     ("w1", 4096, 7168, Sm90Config(8, 4, 2, 2, smem_scales=False)),  # activation scales from global memory (v2)
-    ("w1", 4096, 7168, Sm90Config(16, 4, 2, 2, splits=(4, 4))),  # K splits over a 4-CTA cluster
+    ("w1", 4096, 7168, with_splits(Sm90Config(16, 2, 2, 2), (4, 4), 7168, 2048)),  # K splits over a 4-CTA cluster
     # the chosen configurations (T = 1, 32, 64, 256 on a DeepSeek-V3 EP8 rank) and their v4 ablations
     *[(mode, m, k, choose_config(t, 8, 32)) for t in (1, 32, 64, 256) for mode, m, k in W1_W2],
     *[(mode, m, k, registers_config(choose_config(t, 8, 32))) for t in (1, 32, 256) for mode, m, k in W1_W2],

@@ -94,8 +94,10 @@ def test_k_splits_stages_and_shared_memory():
         Sm90Config(tma_weights=False, splits=(2, 1))
 
 
-def test_launch_refuses_a_config_the_kernel_cannot_run():
-    """A K split (or unroll) that does not divide the windows would silently skip some: refused before any launch."""
+def test_launch_refuses_a_config_the_kernel_cannot_run(monkeypatch):
+    """A K split (or unroll) that does not divide the windows would silently skip some: the variant is refused when
+    it is compiled, before any launch."""
+    monkeypatch.setenv("GCMOE_ARCH", "sm_90a")  # (no GPU here: the arch the launch would compile for)
     from gcmoe_core.grouping import prepare_activations
     from gcmoe_gemm_sm90.ops import w1
 

@@ -107,7 +107,7 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
     # for N = 64 the previous largest tile, N = 32
     # (each variant's closure owns its rows: keep it alive as long as its graph, which only holds their addresses)
     variants = {
-        "ours_kernels_v4": kernels_for(registers_config(with_splits(kcfg, (1, 1), h, i)))[0],
+        "ours_kernels_v4": kernels_for(registers_config(kcfg))[0],
         "ours_kernels_no_overlap": kernels_for(dataclasses.replace(kcfg, overlap=False))[0],
         "ours_kernels_no_pdl": kernels_for(dataclasses.replace(kcfg, pdl=False))[0],
     }

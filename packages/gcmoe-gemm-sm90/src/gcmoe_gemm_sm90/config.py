@@ -23,6 +23,7 @@ splits     (W1, W2) K splits: S CTAs of one thread-block cluster each stream 1/S
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 
 N_TILES = (8, 16, 32, 64)
 WINDOW_K = 128
@@ -73,6 +74,7 @@ def smem_limit(occupancy: int) -> int:
     return min(227 * 1024, SMEM_PER_SM // occupancy - 1024)
 
 
+@cache
 def choose_config(
     tokens_per_rank: int, top_k: int, num_experts: int, hidden: int = 7168, inter: int = 2048, sms: int = 132
 ) -> Sm90Config:

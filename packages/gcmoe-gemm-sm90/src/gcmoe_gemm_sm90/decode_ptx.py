@@ -56,14 +56,6 @@ lop3.b32 $1, pos, $2, 0x80808080, 0xF8;
 }"""
 
 
-def split_sign_word(word: int) -> int:
-    """Standard 8-code word (code n in nibble n) -> the split-sign layout DECODE8_SPLIT_SIGN_PTX reads."""
-    out = word & 0x77777777
-    for n, bit in enumerate(SIGN_BITS):
-        out |= ((word >> (4 * n + 3)) & 1) << bit
-    return out
-
-
 def _prmt(a: int, b: int, sel: int) -> int:
     pool = (a | b << 32).to_bytes(8, "little")
     out = 0

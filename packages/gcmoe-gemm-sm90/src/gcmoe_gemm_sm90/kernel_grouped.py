@@ -54,7 +54,7 @@ from gcmoe_core.kernel_helpers import (
     st_cluster_f32,
 )
 
-from .config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config
+from .config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement
 from .decode_ptx import DECODE8_SPLIT_SIGN_PTX
 from .kernel_decode import decode8
 
@@ -675,7 +675,11 @@ class GroupedGemmSm90:
 
 @cache
 def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
-    """Compile one variant against fake tensors (dynamic expert count and row count)."""
+    """Compile one variant against fake tensors (dynamic expert count and row count). Refuses a variant the kernel
+    would run wrong (e.g. a K split or unroll that does not divide the windows would silently skip some)."""
+    why = can_implement(m, k, 1, cfg, splits=cfg.splits[0 if mode == "w1" else 1])
+    if why:
+        raise ValueError(f"sm90 {mode}: {why}")
     f8 = cutlass.Float8E4M3FN
     nw = k // WINDOW_K
     dyn = cute.sym_int  # one symbol per tensor: their extents are passed at run time, independently

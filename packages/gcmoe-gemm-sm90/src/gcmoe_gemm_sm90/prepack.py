@@ -68,7 +68,7 @@ def lut_words() -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).to(torch.int32)
 
 
-def _map_words(data: torch.Tensor, to_split: bool) -> torch.Tensor:
+def sign_layout(data: torch.Tensor, to_split: bool) -> torch.Tensor:
     """uint8 [..., 4n] as little-endian 32-bit code words: standard layout (code n's sign at bit 4n + 3) <-> the
     split-sign layout the kernel decodes (sign at SIGN_BITS[n]); magnitudes stay in place."""
     w = data.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -124,7 +124,7 @@ def prepack_sm90(w: MXFP4Tensor, gate_up: bool = False) -> PackedSm90:
         out[:, :, :, :, :, :, u] = g.permute(0, 1, 5, 2, 3, 6, 4, 7)  # [E, MT, W, 2, 2, 4 steps, 128, 4]
     # [E, MT, W, j, s, steps(4)=half(2)*2, A/B, tw, 4] -> [E, MT, W, j, s, half, tw, (step-in-half, A/B, 4 B)]
     data = out.view(e, mt, nw, 2, 2, 2, 2, 2, 128, 4).permute(0, 1, 2, 3, 4, 5, 8, 6, 7, 9)
-    data = _map_words(data.reshape(e, mt, nw, 2, 2, 2, 128, 16), to_split=True)
+    data = sign_layout(data.reshape(e, mt, nw, 2, 2, 2, 128, 16), to_split=True)
     # ---- scales
     sc = scale.view(e, mt, 256, nw, 4).to(torch.int32)
     base = sc.amax(dim=-1)
@@ -141,7 +141,7 @@ def unpack_sm90(p: PackedSm90) -> MXFP4Tensor:
     base - 15, which holds the same values: every element of it decodes to zero in the kernel as well)."""
     e, mt, nw = p.data.shape[:3]
     dev = p.data.device
-    d = _map_words(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 2, 2, 4).permute(0, 1, 2, 3, 4, 5, 7, 8, 6, 9)
+    d = sign_layout(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 2, 2, 4).permute(0, 1, 2, 3, 4, 5, 7, 8, 6, 9)
     d = d.reshape(e, mt, nw, 2, 2, 4, 2, 128, 4)  # [.., step, A/B, tw, 4 B]
     r0, tt = _thread_rows_cols()
     r0, tt = r0.to(dev), tt.to(dev)
@@ -183,7 +183,7 @@ def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
     e, mt, nw = p.data.shape[:3]
     lut = lut_words().to(p.data.device).to(torch.int64) & 0xFFFFFFFF
     lut_bytes = torch.stack([(lut[:, i // 4] >> (8 * (i % 4))) & 0xFF for i in range(8)], dim=1)  # [16, 8]
-    words = _map_words(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 4, 4)  # [.., half, tw, word, 4 B]
+    words = sign_layout(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 4, 4)  # [.., half, tw, word, 4 B]
     words = words.to(torch.int64)
     word = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [.., half, tw, 4]
     rec = p.scales.to(torch.int64) & 0xFFFFFFFF  # [E, MT, W, 256]
