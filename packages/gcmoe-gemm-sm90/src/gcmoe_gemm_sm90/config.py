@@ -116,9 +116,18 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
 
 def registers_config(cfg: Sm90Config) -> Sm90Config:
     """The same tile with v4's weight stream (each thread's 16-byte global loads, 2 windows ahead in registers, 4
-    activation stages), for the ablation. At N = 64 without the subtile overlap: with it the register prefetch runs out
-    of registers (ptxas C7519 / C7513: serialised WGMMAs); below N = 64 with it (without, N = 16 spills)."""
-    return replace(cfg, tma_weights=False, stages=4, prefetch=2, splits=(1, 1), overlap=cfg.n_tile < 64)
+    activation stages), for the ablation, in the form that compiles clean (no spills, no serialised WGMMAs; checked
+    offline): at N = 64 without the subtile overlap (with it the register prefetch runs out of registers, ptxas C7519 /
+    C7513); at N = 16 one CTA per SM (at 128 registers it spills since the v5 loop)."""
+    return replace(
+        cfg,
+        tma_weights=False,
+        stages=4,
+        prefetch=2,
+        splits=(1, 1),
+        overlap=cfg.n_tile < 64,
+        occupancy=1 if cfg.n_tile == 16 else cfg.occupancy,
+    )
 
 
 def can_implement(
