@@ -318,20 +318,8 @@ class GroupedGemmSm90:
                         pipe.consumer_release(prev)
                         if warp_idx == 0:
                             if issued < total:
-                                self.produce(
-                                    pipe,
-                                    prod,
-                                    tma_atom,
-                                    tXgX,
-                                    tXsX,
-                                    tile_row0,
-                                    w_lo,
-                                    issued,
-                                    w_src,
-                                    s_src,
-                                    w_dst,
-                                    s_dst,
-                                )
+                                self.produce_weights(pipe, prod, issued, w_src, s_src, w_dst, s_dst)
+                                self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued)
                                 prod.advance()
                                 issued += 1
                         self.promote(acc0, accw0, rs, sx, ssx, w - 1, t0, 0)
@@ -368,7 +356,8 @@ class GroupedGemmSm90:
             pipe.consumer_release(prev)
             if warp_idx == 0:
                 if issued < total:
-                    self.produce(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued, w_src, s_src, w_dst, s_dst)
+                    self.produce_weights(pipe, prod, issued, w_src, s_src, w_dst, s_dst)
+                    self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued)
                     prod.advance()
                     issued += 1
             self.promote(acc0, accw0, rs, sx, ssx, nw - 1, t0, 0)
@@ -423,29 +412,6 @@ class GroupedGemmSm90:
                     acc1[i] = acc1[i] + part[r, nacc + i, tidx]
 
     @cute.jit
-    def produce(
-        self,
-        pipe: pipeline.PipelineTmaAsync,
-        prod: pipeline.PipelineState,
-        tma_atom: cute.CopyAtom,
-        tXgX: cute.Tensor,
-        tXsX: cute.Tensor,
-        tile_row0: Int32,
-        w_lo: Int32,
-        it: Int32,
-        w_src: cutlass.Int64,
-        s_src: cutlass.Int64,
-        w_dst: Int32,
-        s_dst: Int32,
-    ):
-        """Fill the next stage with load `it` of this CTA (N tile it // nw, window w_lo + it % nw): the window's
-        weights and scale records (tma mode) and its activation box, all on the stage's mbarrier. Warp 0 runs it whole
-        (the arrive and the TMA elect one lane); the caller advances `prod` (a rebind the DSL must see in the caller's
-        branch)."""
-        self.produce_weights(pipe, prod, it, w_src, s_src, w_dst, s_dst)
-        self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, it)
-
-    @cute.jit
     def produce_weights(
         self,
         pipe: pipeline.PipelineTmaAsync,
@@ -456,8 +422,10 @@ class GroupedGemmSm90:
         w_dst: Int32,
         s_dst: Int32,
     ):
-        """Acquire the stage (arming its mbarrier for all of its bytes) and, in tma mode, bulk-copy the window's
-        weights and scale records into it."""
+        """Load `it` of this CTA (N tile it // nw, window w_lo + it % nw), part 1: acquire the next stage (arming its
+        mbarrier for all of its bytes) and, in tma mode, bulk-copy the window's weights and scale records into it.
+        Part 2 is produce_acts. Warp 0 runs both whole (the arrive and the TMA elect one lane); the caller advances
+        `prod` (a rebind the DSL must see in the caller's branch)."""
         nw = self.nwk
         it_w = it - (it // nw) * nw
         pipe.producer_acquire(prod)
