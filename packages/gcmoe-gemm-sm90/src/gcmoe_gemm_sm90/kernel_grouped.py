@@ -38,6 +38,10 @@ Inputs (see ops.py for how they are made):
     W1: rw fp32 [R] routing weight per row; hq uint8 [R, M/2] FP8 intermediate; hsT fp32 [M/256, R] its scales
     W2: dst int32 [R] output row per input row; out bf16 [R_out, M]
 
+Known near-copy: load_window_smem and load_window index the same fragments from a stage and from global memory.
+Viewing the stages as [8 stage + fragment, thread, word] / [stage, row] lets load_window serve both (same offsets),
+but it changes the schedule (W2 N 16: 1,160 -> 1,168 SASS instructions), so the fold waits for a GPU run.
+
 Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
 """
 
