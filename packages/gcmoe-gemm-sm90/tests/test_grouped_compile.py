@@ -2,6 +2,7 @@
 weights streamed the configured way (bulk copy into shared memory + 16-byte shared loads, or 16-byte global loads)."""
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -17,9 +18,17 @@ VARIANTS = [
     ("w1", 4096, 4096, Sm90Config(32, 4, 2)),
     ("w1", 4096, 7168, Sm90Config(8, 4, 2, 2, smem_scales=False)),  # activation scales from global memory (v2)
     ("w1", 4096, 7168, with_splits(Sm90Config(16, 2, 2, 2), (4, 4), 7168, 2048)),  # K splits over a 4-CTA cluster
-    # the chosen configurations (T = 1, 32, 64, 256 on a DeepSeek-V3 EP8 rank) and their v4 ablations
-    *[(mode, m, k, choose_config(t, 8, 32)) for t in (1, 32, 64, 256) for mode, m, k in W1_W2],
-    *[(mode, m, k, registers_config(choose_config(t, 8, 32))) for t in (1, 32, 256) for mode, m, k in W1_W2],
+    # the chosen configurations (T = 1, 32, 64, 128, 256 on a DeepSeek-V3 EP8 rank: N 8, 16, 24, 48 with 4
+    # warpgroups, 80 with 2) and their v4 ablations
+    *[(mode, m, k, choose_config(t, 8, 32)) for t in (1, 32, 64, 128, 256) for mode, m, k in W1_W2],
+    *[(mode, m, k, registers_config(choose_config(t, 8, 32))) for t in (1, 32, 128) for mode, m, k in W1_W2],
+    # 2 warpgroups at N = 48 (the ablation of the 4-warpgroup choice), 4 warpgroups with K splits
+    *[
+        (mode, m, k, with_splits(replace(choose_config(128, 8, 32), warpgroups=2), (1, 1), 7168, 2048))
+        for mode, m, k in W1_W2
+    ],
+    ("w1", 4096, 7168, with_splits(Sm90Config(16, 2, 2, warpgroups=4), (2, 2), 7168, 2048)),
+    ("w1", 4096, 7168, replace(choose_config(8, 8, 32), fma_shifts=True)),  # the decode's shifts on the FMA pipe
 ]
 
 
@@ -30,6 +39,7 @@ VARIANTS = [
         str(v)
         if not hasattr(v, "n_tile")
         else f"n{v.n_tile}s{v.stages}p{v.prefetch}o{v.occupancy}ss{v.smem_scales:d}{'tma' if v.tma_weights else 'reg'}"
+        f"{'' if v.warpgroups == 2 else 'wg4'}{'fma' if v.fma_shifts else ''}"
     ),
 )
 def test_grouped_kernel_sass(mode, m, k, cfg):
@@ -44,13 +54,16 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
     assert "PRMT" in ops and "UTMALDG.2D" in ops
     if cfg.tma_weights:  # weights: one bulk copy per window into the stage, 16-byte shared loads, no global loads
         assert "UBLKCP.S.G" in ops and "LDS.128" in ops and "LDG.E.128" not in ops
+    if cfg.fma_shifts:  # the decode's right shifts on the FMA pipe
+        assert "IMAD.HI.U32" in ops
     else:
         assert "LDG.E.128" in ops
-    # the WGMMAs are pipelined: one wait per window (8 QGMMAs), not one after each (ptxas C7513/C7515 serialisation)
+    # the WGMMAs are pipelined: one wait per window (8 QGMMAs, 4 with 4 warpgroups) and the drain, not one after each
+    # (ptxas C7513/C7515 serialisation)
     qgmma, waits = len(re.findall(r"\bQGMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))
-    assert waits * 4 <= qgmma, f"WGMMAs serialised: {waits} waits for {qgmma} QGMMAs"
+    assert waits * (4 if cfg.warpgroups == 2 else 2) <= qgmma, f"WGMMAs serialised: {waits} waits for {qgmma} QGMMAs"
     if cfg.splits[0 if mode == "w1" else 1] > 1:  # K splits: cluster barriers, partials pushed to the leader
         assert "UCGABAR_ARV" in ops and "UCGABAR_WAIT" in ops
     assert not {o.split(".")[0] for o in ops} & {"LDL", "STL"}, "local-memory spills"
     assert kern.resources()["LOCAL"] == 0 and kern.resources()["STACK"] == 0
-    assert kern.resources()["REG"] <= (128 if cfg.occupancy == 2 else 255)
+    assert kern.resources()["REG"] <= (128 if cfg.occupancy == 2 or cfg.warpgroups == 4 else 255)

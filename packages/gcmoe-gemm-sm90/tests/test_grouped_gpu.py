@@ -40,15 +40,20 @@ VARIANTS = {  # tma: weights by bulk copy into the pipeline's stages; registers:
     # K splits over a cluster (SMALL: W1 has 4 windows, W2 2): partial sums pushed to the leader
     "split2": dict(prefetch=1, splits=(2, 2)),
     "split4": dict(prefetch=1, splits=(4, 2)),
+    # 4 warpgroups of one 64-row subtile each (512 threads), also with K splits
+    "4wg": dict(prefetch=2, warpgroups=4),
+    "4wg-split2": dict(prefetch=1, splits=(2, 2), warpgroups=4),
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("n_tile", [8, 16, 32, 64])
+@pytest.mark.parametrize("n_tile", [8, 16, 24, 32, 48, 64, 80])
 @pytest.mark.parametrize("routing", ["uniform", "one_expert", "half_empty"])
 def test_w1_then_w2_match_models(n_tile, routing, variant):
-    if variant.startswith("split") and n_tile == 64:
+    if "split" in variant and n_tile >= 48:
         pytest.skip("K splits are for small token counts (N <= 32): the leader's partial buffers exceed shared memory")
+    if "4wg" in variant and n_tile > 64:
+        pytest.skip("4 warpgroups hold N <= 64 in 128 registers")
     cfg = Sm90Config(n_tile=n_tile, stages=3, **VARIANTS[variant])
     routed = SMALL.replace(num_shared_experts=0)  # the kernels alone: routed experts only
     x, ids, w, weights, _ = make_problem(Case(routed, 37, routing, seed=n_tile), device="cuda")
@@ -58,7 +63,11 @@ def test_w1_then_w2_match_models(n_tile, routing, variant):
     valid = layout.src_slot >= 0
     hq, hsT = w1(moe.w13, acts, layout, cfg)
     eq, es = emulate_w1(unpack_sm90(moe.w13), acts, layout)
-    assert torch.equal(hsT[:, valid], es[:, valid]) or calc_diff(hsT[:, valid], es[:, valid]) < 1e-3
+    # power-of-two scales: equal, except that one whose amax lies at a 448 * 2^e boundary (within FP32 rounding of
+    # the two summation orders) may sit one binade off; the dequantised values below must match either way
+    ratio = hsT[:, valid] / es[:, valid]
+    assert ((ratio == 1) | (ratio == 2) | (ratio == 0.5)).all(), "activation scales off by more than a binade"
+    assert int((ratio != 1).sum()) <= 2, f"{int((ratio != 1).sum())} activation scales one binade off"
     d = calc_diff(_dequant_rows(hq, hsT)[valid], _dequant_rows(eq, es)[valid])
     assert d < 1e-3, d
     out = torch.full((ids.numel(), SMALL.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -65,11 +65,19 @@ def test_can_implement_and_config_choice():
     assert "scale window" in can_implement(4096, 100, 32, Sm90Config())
     assert "prefetch" in can_implement(4096, 640, 32, Sm90Config(prefetch=4))
     assert "experts" in can_implement(4096, 512, 0, Sm90Config())
-    assert choose_config(1, 8, 32).n_tile == 8 and choose_config(32, 8, 32).n_tile == 16
-    assert choose_config(64, 8, 32).n_tile == 32 and choose_config(256, 8, 32).n_tile == 64
-    assert choose_config(128, 6, 32).n_tile == 32 and choose_config(128, 8, 32).n_tile == 64  # 24 vs 32 rows/expert
+    # N tiles by expected rows per expert (e): e + 2 sqrt(e) rounded up to a multiple of 8, N_MAX = 80 while a typical
+    # expert fits, else the fewest passes; the tile shape by registers
+    assert choose_config(1, 8, 32).n_tile == 8 and choose_config(32, 8, 32).n_tile == 16  # e = 2, 8
+    assert choose_config(32, 8, 20, 5120, 1536).n_tile == 24  # GLM-4.5: e = 12.8 -> 12
+    assert choose_config(64, 8, 32).n_tile == 24 and choose_config(128, 8, 32).n_tile == 48  # e = 16, 32
+    assert choose_config(128, 6, 32).n_tile == 40 and choose_config(256, 8, 32).n_tile == 80  # e = 24, 64
+    assert choose_config(256, 8, 20, 5120, 1536).n_tile == 64  # e = 102: two passes of <= 64
+    assert [choose_config(t, 8, 32).warpgroups for t in (32, 64, 128, 256)] == [2, 2, 4, 2]
+    assert [choose_config(t, 8, 32).occupancy for t in (32, 64, 128, 256)] == [2, 2, 1, 1]
     with pytest.raises(ValueError, match="n_tile"):
-        Sm90Config(n_tile=24)
+        Sm90Config(n_tile=20)
+    with pytest.raises(ValueError, match="warpgroups"):
+        Sm90Config(n_tile=64, warpgroups=4, occupancy=2)
 
 
 def test_k_splits_stages_and_shared_memory():

@@ -10,7 +10,9 @@ Per point (CUDA-graph replay, cold L2, medians; variants interleaved A B C A B C
     ours_kernels_v4  the same tile and loop with v4's weight stream (each thread's global loads into registers)
     ours_kernels_no_overlap  the chosen configuration with both subtiles decoded before the window's WGMMAs (ablation)
     ours_kernels_no_pdl  the chosen configuration launched without programmatic dependent launch (ablation)
-    ours_kernels_n32 for N = 64 points, the N = 32 tile (ablation)
+    ours_kernels_n<N>  (--variants) another N tile (ablation)
+    ours_kernels_<variant>  (--variants) more ablations: stage ablations (Sm90Config.ablate), warpgroups, three
+                   CTAs per SM, other N tiles (see variant_config)
     ours_kernels_splitAB  (T <= --split-sweep) W1 / W2 with A / B K splits instead of the chosen ones
     ours_layer     + routing metadata, FP8 quantisation of x, and the slot combine (the whole torch-visible layer)
     torch_fp8      torch._scaled_grouped_mm (FP8 rowwise) W1, SwiGLU + routing weight in torch, FP8 requant, W2
@@ -32,7 +34,7 @@ from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.testing import make_tokens, make_weights
 from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
 
-from .config import can_implement, registers_config, with_splits
+from .config import N_TILES, can_implement, registers_config, tile_shape, with_splits
 from .ops import MoESm90, w1, w2
 
 MODELS = ("deepseek-v4-flash", "deepseek-v3", "glm-5", "glm-4.5")
@@ -77,7 +79,74 @@ class TorchPeer:
         return torch._grouped_mm(hh.to(torch.bfloat16), self.w2, offs=offs_end)
 
 
-def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: bool, split_sweep: bool) -> dict:
+VARIANTS = (
+    "v4",
+    "no_overlap",
+    "no_pdl",
+    "fma_shifts",
+    "wg2",
+    "wg4",
+    "stream",
+    "compute",
+    "no_decode",
+    "no_mma",
+    "occ3",
+    "occ3_compute",
+    *(f"n{n}" for n in N_TILES),
+)
+DEFAULT_VARIANTS = ("v4", "no_overlap", "no_pdl")
+
+
+def variant_config(name: str, kcfg, hidden: int, inter: int):
+    """The configuration of ablation `name` against the chosen kcfg, or None where it does not apply:
+    v4          the same tile and loop with v4's weight stream (registers_config)
+    no_overlap  both subtiles decoded before the window's WGMMAs
+    no_pdl      launched without programmatic dependent launch
+    fma_shifts  the decode's right shifts on the FMA pipe (IMAD.HI)
+    wg2 / wg4   for N >= 32 points, 2 or 4 warpgroups (where the chosen configuration has the other)
+    stream / compute / no_decode / no_mma  the stage ablations (Sm90Config.ablate)
+    occ3 / occ3_compute  N <= 16: three CTAs per SM (80 registers, fewer stages), and its compute ablation
+    n<N>        another N tile (with its tile_shape), e.g. n64 for the v5 choice at 128-256 tokens"""
+    if name == "v4":
+        return registers_config(kcfg)
+    if name == "no_overlap":
+        return dataclasses.replace(kcfg, overlap=False)
+    if name == "no_pdl":
+        return dataclasses.replace(kcfg, pdl=False)
+    if name == "fma_shifts":
+        return dataclasses.replace(kcfg, fma_shifts=True)
+    if name in ("wg2", "wg4"):
+        wgs = int(name[2])
+        if kcfg.n_tile < 32 or kcfg.n_tile > 64 or kcfg.warpgroups == wgs:
+            return None
+        return with_splits(dataclasses.replace(kcfg, warpgroups=wgs, occupancy=1), kcfg.splits, hidden, inter)
+    if name in ("stream", "compute", "no_decode", "no_mma"):
+        return dataclasses.replace(kcfg, ablate=name)
+    if name in ("occ3", "occ3_compute"):
+        if kcfg.n_tile > 16:
+            return None
+        c = with_splits(dataclasses.replace(kcfg, occupancy=3), kcfg.splits, hidden, inter)
+        return dataclasses.replace(c, ablate="compute") if name == "occ3_compute" else c
+    if name.startswith("n") and name[1:].isdigit() and int(name[1:]) in N_TILES:
+        n = int(name[1:])
+        if n == kcfg.n_tile:
+            return None
+        occ, wgs = tile_shape(n)
+        c = dataclasses.replace(kcfg, n_tile=n, occupancy=occ, warpgroups=wgs, smem_scales=n >= 16)
+        return with_splits(c, kcfg.splits, hidden, inter)
+    raise ValueError(f"unknown variant {name!r}: one of {VARIANTS}")
+
+
+def bench_point(
+    model: str,
+    tokens: int,
+    ep: int,
+    bw: float,
+    iters: int,
+    peers: bool,
+    split_sweep: bool,
+    variant_names=DEFAULT_VARIANTS,
+) -> dict:
     cfg = MoEConfig.ep_slice(model, ep, max_tokens_per_rank=max(256, tokens), num_shared_experts=0)
     weights = make_weights(cfg, seed=1, device="cuda")
     moe = MoESm90.from_weights(weights)
@@ -103,16 +172,13 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
         "ours_w1": _graph(lambda: run(w1_only=True)),
         "ours_layer": _graph(lambda: moe.forward(x, ids, w)),
     }
-    # ablations, timed interleaved with the chosen configuration: v4's weight stream, no subtile overlap, no PDL, and
-    # for N = 64 the previous largest tile, N = 32
+    # ablations, timed interleaved with the chosen configuration (--variants)
     # (each variant's closure owns its rows: keep it alive as long as its graph, which only holds their addresses)
     variants = {
-        "ours_kernels_v4": kernels_for(registers_config(kcfg))[0],
-        "ours_kernels_no_overlap": kernels_for(dataclasses.replace(kcfg, overlap=False))[0],
-        "ours_kernels_no_pdl": kernels_for(dataclasses.replace(kcfg, pdl=False))[0],
+        f"ours_kernels_{name}": kernels_for(c)[0]
+        for name in variant_names
+        if (c := variant_config(name, kcfg, h, i)) is not None
     }
-    if kcfg.n_tile == 64:
-        variants["ours_kernels_n32"] = kernels_for(dataclasses.replace(kcfg, n_tile=32))[0]
     if split_sweep:  # K splits of W1 and W2 other than the chosen ones
         for sp in ((1, 1), (2, 1), (2, 2), (4, 2), (4, 4)):
             try:
@@ -134,6 +200,7 @@ def bench_point(model: str, tokens: int, ep: int, bw: float, iters: int, peers: 
         "stages": kcfg.stages,
         "splits": list(kcfg.splits),
         "occupancy": kcfg.occupancy,
+        "warpgroups": kcfg.warpgroups,
         "tma_weights": kcfg.tma_weights,
         "active_experts": int(torch.unique(ids).numel()),
         "max_rows_per_expert": int(layout.counts.max()),
@@ -177,6 +244,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--split-sweep", type=int, default=8, help="time other K splits up to this token count")
+    ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=VARIANTS, help="ablations to time")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -184,7 +252,7 @@ def main(argv=None) -> int:
     recs = []
     for model in args.models:
         for t in args.tokens:
-            r = bench_point(model, t, args.ep, bw, args.iters, not args.no_peers, t <= args.split_sweep)
+            r = bench_point(model, t, args.ep, bw, args.iters, not args.no_peers, t <= args.split_sweep, args.variants)
             torch.cuda.empty_cache()  # the point's weights and graphs are gone with its frame
             recs.append(r)
             print(json.dumps(r), flush=True)
@@ -194,22 +262,23 @@ def main(argv=None) -> int:
     )
     (out / "sm90_grouped.json").write_text(json.dumps({"meta": meta, "records": recs}, indent=2))
     head = (
-        "| model | T | N tile | active | floor µs | W1+W2 µs | × floor | W1+W2 v4 (weights via registers) µs |"
-        " W1+W2 N 32 µs | no overlap µs | no PDL µs | W1 µs | layer µs | torch FP8 µs | torch BF16 µs | vs FP8 |"
-        " vs BF16 |"
+        "| model | T | N tile | warpgroups | active | floor µs | W1+W2 µs | × floor | W1 µs | layer µs | torch FP8 µs |"
+        " torch BF16 µs | vs FP8 | vs BF16 | variants: W1+W2 µs (× floor) |"
     )
-    rows = [head, "|" + " --- |" * 17]
+    rows = [head, "|" + " --- |" * 15]
     for r in recs:
         f = lambda k, r=r: f"{r[k]:.1f}" if k in r else "–"
         s = lambda k, r=r: f"{r[k]:.2f}×" if k in r else "–"
+        others = ", ".join(
+            f"{k[len('ours_kernels_') : -3]} {v:.1f} ({v / r['floor_us']:.2f})"
+            for k, v in r.items()
+            if k.startswith("ours_kernels_") and k.endswith("_us") and not k.startswith("ours_kernels_split")
+        )
         rows.append(
-            f"| {r['model']} | {r['tokens']} | {r['n_tile']} | {r['active_experts']} | {r['floor_us']:.1f} | "
-            f"{r['ours_kernels_us']:.1f} | {r['x_floor']:.2f} | {f('ours_kernels_v4_us')} | "
-            f"{f('ours_kernels_n32_us')} | {f('ours_kernels_no_overlap_us')} | {f('ours_kernels_no_pdl_us')} | "
-            f"{f('ours_w1_us')} | "
-            f"{f('ours_layer_us')} | "
-            f"{f('torch_fp8_us')} | "
-            f"{f('torch_bf16_us')} | {s('speedup_vs_torch_fp8')} | {s('speedup_vs_torch_bf16')} |"
+            f"| {r['model']} | {r['tokens']} | {r['n_tile']} | {r['warpgroups']} | {r['active_experts']} | "
+            f"{r['floor_us']:.1f} | **{r['ours_kernels_us']:.1f}** | **{r['x_floor']:.2f}** | {f('ours_w1_us')} | "
+            f"{f('ours_layer_us')} | {f('torch_fp8_us')} | {f('torch_bf16_us')} | {s('speedup_vs_torch_fp8')} | "
+            f"{s('speedup_vs_torch_bf16')} | {others or '–'} |"
         )
     sweep = [
         f"| {r['model']} | {r['tokens']} | {r['splits'][0]}/{r['splits'][1]} | {r['ours_kernels_us']:.1f} | "

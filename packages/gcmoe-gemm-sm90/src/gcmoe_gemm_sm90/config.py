@@ -1,7 +1,7 @@
 """Kernel configurations of the sm90 grouped GEMMs and the choice among them.
 
-n_tile     tokens per WGMMA N tile (8, 16, 32 or 64): an expert with more tokens runs several N tiles, each
-           re-reading its weights; the activation rows of every expert are padded to a multiple of n_tile
+n_tile     tokens per WGMMA N tile (a multiple of 8 up to N_MAX = 80): an expert with more tokens runs several N tiles,
+           each re-reading its weights; the activation rows of every expert are padded to a multiple of n_tile
 stages     shared-memory stages of the TMA pipeline, one 128-K window each (activations; with tma_weights also the
            window's weights and scale records)
 prefetch   tma_weights: windows decoded per loop iteration (1, 2 or 4); registers: 128-K windows of weights each
@@ -18,14 +18,27 @@ pdl        programmatic dependent launch: W2's CTAs start in W1's tail and strea
 splits     (W1, W2) K splits: S CTAs of one thread-block cluster each stream 1/S of a tile's K windows; the S - 1
            others push their partial sums into the leader's shared memory, which adds them in split order and runs
            the epilogue (more CTAs when there are fewer tiles than SM slots; tma_weights only)
+warpgroups 2: 256 threads, each warpgroup two 64-row subtiles of its 128 rows (decode of one overlaps the other's
+           WGMMAs); 4: 512 threads, one subtile each (half the accumulator registers per thread, twice the warps per
+           SM at one CTA per SM: for N >= 32, where two subtiles' accumulators allow only one 256-thread CTA per SM)
+fma_shifts the decode's right shifts (LUT offsets, high code half) as mul.hi on the FMA pipe (IMAD.HI) instead of SHF
+           on the ALU pipe: 32 of ~140 ALU instructions per window move, yet it is 1-7 % slower (H200, 2026-11-29,
+           sm90-grouped-v6 run F): off, kept for the ablation
+ablate     stage ablation for the benchmark, never for results: "stream" runs the pipeline (bulk copies, TMA, waits,
+           releases, epilogue) without decode, WGMMA or promotion; "compute" runs everything but copies no weight or
+           scale bytes (decode and WGMMA on whatever the stages hold); "no_decode": no weight shared loads or decode
+           (WGMMAs on zero fragments); "no_mma": decode, no WGMMA (the fragments kept alive). "" (default): the kernel
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cache
+from math import ceil, sqrt
 
-N_TILES = (8, 16, 32, 64)
+N_TILES = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80)
+N_MAX = N_TILES[-1]  # two 64-row subtiles' accumulators of N = 80 fill 255 registers (N = 96 spills)
+ABLATIONS = ("", "stream", "compute", "no_decode", "no_mma")
 WINDOW_K = 128
 TILE_M = 256
 WINDOW_WEIGHT_BYTES = TILE_M * WINDOW_K // 2  # one CTA tile's FP4 weights of one 128-K window (16 KB)
@@ -45,6 +58,9 @@ class Sm90Config:
     splits: tuple[int, int] = (1, 1)
     overlap: bool = True
     pdl: bool = True
+    warpgroups: int = 2
+    fma_shifts: bool = False
+    ablate: str = ""
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:
@@ -57,8 +73,18 @@ class Sm90Config:
             raise ValueError(f"Sm90Config: splits must be two of 1, 2, 4 (W1, W2), got {self.splits}")
         if self.splits != (1, 1) and not self.tma_weights:
             raise ValueError("Sm90Config: K splits need tma_weights")
-        if self.occupancy not in (1, 2):
-            raise ValueError(f"Sm90Config: occupancy must be 1 or 2, got {self.occupancy}")
+        if self.warpgroups not in (2, 4):
+            raise ValueError(f"Sm90Config: warpgroups must be 2 or 4, got {self.warpgroups}")
+        if self.warpgroups == 4 and (not self.tma_weights or self.occupancy != 1):
+            raise ValueError(
+                "Sm90Config: 4 warpgroups need tma_weights and occupancy 1 (512 threads, <= 128 registers)"
+            )
+        if self.ablate not in ABLATIONS:
+            raise ValueError(f"Sm90Config: ablate must be one of {ABLATIONS}, got {self.ablate!r}")
+        if self.ablate and not self.tma_weights:
+            raise ValueError("Sm90Config: the stage ablations need tma_weights")
+        if self.occupancy not in (1, 2, 3):
+            raise ValueError(f"Sm90Config: occupancy must be 1, 2 or 3, got {self.occupancy}")
 
 
 def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1) -> int:
@@ -66,7 +92,8 @@ def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1) -> int:
     struct, plus alignment)."""
     n, nw = cfg.n_tile, k // WINDOW_K
     stage = n * WINDOW_K + (WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES if cfg.tma_weights else 0)
-    fixed = 16 * cfg.stages + 128 + 32 * n + (4 * nw * n if cfg.smem_scales else 4) + 1024 + 128 + 16
+    red = 4 * n * 4 * cfg.warpgroups  # the W1 epilogue's per-warp amax
+    fixed = 16 * cfg.stages + 128 + red + (4 * nw * n if cfg.smem_scales else 4) + 1024 + 128 + 16
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)
 
 
@@ -78,24 +105,23 @@ def smem_limit(occupancy: int) -> int:
 def choose_config(
     tokens_per_rank: int, top_k: int, num_experts: int, hidden: int = 7168, inter: int = 2048, sms: int = 132
 ) -> Sm90Config:
-    """Smallest N tile that holds an expert's expected token count with room for imbalance (x2), capped at 64; K splits
-    for a kernel whose expected tiles fill less than SPLIT_FILL of the SM slots; as many pipeline stages (<= 8) as the
-    shared memory of the occupancy holds."""
+    """The N tile of n_tile_for the expected rows per expert and its tile_shape; K splits for a kernel whose expected
+    tiles fill less than SPLIT_FILL of the SM slots; as many pipeline stages (<= 8) as the shared memory of the
+    occupancy holds."""
     expected = max(1, tokens_per_rank * top_k // max(1, num_experts))
-    want = 2 * expected
-    n_tile = next((n for n in N_TILES if n >= want), N_TILES[-1])
-    if n_tile == 64 and expected < 32:
-        # N = 64 costs twice the MMA and promotion of N = 32 per pass: it pays only once most experts would need
-        # two N = 32 passes (H200, 2026-11-29, sm90-grouped-v4: 1.28-1.49x faster at 32-64 expected rows per expert,
-        # 1.23x slower at 24)
-        n_tile = 32
-    # n_tile <= 16 fits 128 registers: two CTAs per SM (16 warps to hide latency); n_tile 32 / 64 need more: one CTA
-    # per SM (measured on the H200, 2026-11-29)
+    n_tile = n_tile_for(expected)
+    occupancy, warpgroups = tile_shape(n_tile)
+    prefetch = 2 if (hidden // WINDOW_K) % 2 == 0 and (inter // WINDOW_K) % 2 == 0 else 1  # windows per loop step
     # shared-memory activation scales: 4-5 % faster at n_tile 16, 1-3 % at 32, 2-4 % slower at 8 (two more barriers per
     # N tile for a loop that is short at n_tile 8), side by side on the H200, 2026-11-29 (sm90-grouped-v3)
-    occupancy = 2 if n_tile <= 16 else 1
-    prefetch = 2 if (hidden // WINDOW_K) % 2 == 0 and (inter // WINDOW_K) % 2 == 0 else 1  # windows per loop step
-    cfg = Sm90Config(n_tile=n_tile, stages=2, prefetch=prefetch, occupancy=occupancy, smem_scales=n_tile >= 16)
+    cfg = Sm90Config(
+        n_tile=n_tile,
+        stages=2,
+        prefetch=prefetch,
+        occupancy=occupancy,
+        warpgroups=warpgroups,
+        smem_scales=n_tile >= 16,
+    )
     # experts with at least one row under uniform routing, and each kernel's tiles against the SM slots
     active = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** (tokens_per_rank * top_k))
     splits = []
@@ -106,6 +132,29 @@ def choose_config(
     return with_splits(cfg, (splits[0], splits[1]), hidden, inter)
 
 
+def n_tile_for(expected: float) -> int:
+    """Smallest N tile that holds the largest expert's rows under uniform routing, about expected + 2 sd (Poisson; the
+    expected maximum of 20-32 experts' counts): an expert above its N tile runs a second pass, which re-reads its
+    weights and, at one to two waves of CTAs, becomes the kernel's tail (H200, 2026-11-29, sm90-grouped-v6 run E: N 72
+    vs 64 at 66 rows max 1.14x faster, N 64 vs 72 at 60 rows 1.11x). Above N_MAX: N_MAX while a typical expert
+    (expected + 1 sd) fits in one pass, else the rows spread evenly over the fewest passes."""
+    target = expected + 2.0 * sqrt(expected)
+    if target > N_MAX:
+        passes = 1 if expected + sqrt(expected) <= N_MAX else ceil(target / N_MAX)
+        target = min(N_MAX, target / passes)
+    return next(n for n in N_TILES if n >= target)
+
+
+def tile_shape(n_tile: int) -> tuple[int, int]:
+    """(occupancy, warpgroups) of an N tile, by registers (ptxas, no spills): up to N = 24 two 256-thread CTAs per SM
+    (<= 128 registers); up to 64 one CTA of 4 warpgroups, one 64-row subtile each (<= 128 registers, 16 warps; 1-4 %
+    faster than 2 warpgroups of two subtiles at N = 32 / 64, H200, 2026-11-29); above, one CTA of 2 warpgroups
+    (<= 255 registers)."""
+    if n_tile <= 24:
+        return 2, 2
+    return (1, 4) if n_tile <= 64 else (1, 2)
+
+
 def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: int) -> Sm90Config:
     """cfg with these K splits and as many pipeline stages (<= 8) as the shared memory of its occupancy holds."""
     cfg = replace(cfg, splits=splits)
@@ -114,19 +163,23 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
     return replace(cfg, stages=max(fits))
 
 
-def registers_config(cfg: Sm90Config) -> Sm90Config:
+def registers_config(cfg: Sm90Config) -> Sm90Config | None:
     """The same tile with v4's weight stream (each thread's 16-byte global loads, 2 windows ahead in registers, 4
-    activation stages), for the ablation, in the form that compiles clean (no spills, no serialised WGMMAs; checked
-    offline): at N = 64 without the subtile overlap (with it the register prefetch runs out of registers, ptxas C7519 /
-    C7513); at N = 16 one CTA per SM (at 128 registers it spills since the v5 loop)."""
+    activation stages, 2 warpgroups), for the ablation, in the form that compiles clean (no spills, no serialised
+    WGMMAs; checked offline): from N = 48 without the subtile overlap (with it the register prefetch runs out of
+    registers, ptxas C7519 / C7513); from N = 16 one CTA per SM (at 128 registers it spills since the v5 loop). None
+    above N = 64 (the register prefetch does not fit beside two subtiles' accumulators)."""
+    if cfg.n_tile > 64:
+        return None
     return replace(
         cfg,
         tma_weights=False,
         stages=4,
         prefetch=2,
         splits=(1, 1),
-        overlap=cfg.n_tile < 64,
-        occupancy=1 if cfg.n_tile == 16 else cfg.occupancy,
+        warpgroups=2,
+        overlap=cfg.n_tile < 48,
+        occupancy=1 if cfg.n_tile >= 16 else cfg.occupancy,
     )
 
 

@@ -6,7 +6,10 @@ scatter), one expert per grid column, register-A WGMMA with the FP4 -> E4M3 deco
     W1 epilogue: h = silu(acc[gate rows]) * acc[up rows] * route_w -> FP8 E4M3 per token per 128 columns (+ scale)
     W2 epilogue: out[dst[row], 256 mt + m] = bf16(acc[m, token])
 
-Threads: 2 warpgroups; warpgroup j owns rows [128 j, 128 j + 128) of the tile as 2 WGMMA subtiles of 64 rows.
+Threads (cfg.warpgroups): 2 warpgroups, warpgroup j owns rows [128 j, 128 j + 128) of the tile as 2 WGMMA subtiles of
+64 rows; or 4 warpgroups (N 32-64: half the accumulator registers per thread, 16 warps per SM at one CTA per SM),
+warpgroup q owns subtile q % 2 of those rows of j = q // 2. The prepacked fragments and the epilogues' row / column
+mapping are the same in both.
 Pipeline (PipelineTmaAsync, `stages` deep, one 128-K window per stage): warp 0 (the whole warp: the arrive and the TMA
 issue elect one lane with elect.sync, which hangs if only one lane runs it) fills a stage with the window's activation
 box by TMA and, with tma_weights, the window's 16 KB of prepacked weights and 1 KB of scale records by one bulk copy
@@ -42,6 +45,9 @@ Known near-copy: load_window_smem and load_window index the same fragments from 
 Viewing the stages as [8 stage + fragment, thread, word] / [stage, row] lets load_window serve both (same offsets),
 but it changes the schedule (W2 N 16: 1,160 -> 1,168 SASS instructions), so the fold waits for a GPU run.
 
+Stage ablations for the benchmark (cfg.ablate): no decode / WGMMA / promotion ("stream"), no weight bytes ("compute"),
+no decode ("no_decode"), no WGMMA ("no_mma"); never for results.
+
 Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
 """
 
@@ -55,11 +61,13 @@ from gcmoe_core.kernel_helpers import (
     cvt_e4m3x2,
     fake_epilogue_args,
     fp8_pow2_exponent,
+    keep_alive4,
+    shr_u32_imad,
     st_cluster_f32,
 )
 
 from .config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement
-from .decode_ptx import DECODE8_SPLIT_SIGN_PTX
+from .decode_ptx import decode8_split_sign_ptx
 from .kernel_decode import decode8
 
 cutlass, cute = cutlass_modules()
@@ -72,7 +80,6 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
 
 Int32, Float32 = cutlass.Int32, cutlass.Float32
-THREADS = 256
 WINDOW_K = 128
 TILE_M = 256
 
@@ -92,6 +99,9 @@ class GroupedGemmSm90:
         self.prefetch = cfg.prefetch
         self.splits = cfg.splits[0 if self.is_w1 else 1]  # K splits: CTAs of one cluster, one window range each
         self.nwk = self.windows // self.splits
+        self.wgs = cfg.warpgroups  # 2: each warpgroup two 64-row subtiles; 4: one each (half the registers per thread)
+        self.subs = 4 // self.wgs  # subtiles per warpgroup
+        self.threads = 128 * self.wgs
 
     @cute.jit
     def __call__(
@@ -130,13 +140,13 @@ class GroupedGemmSm90:
 
         w_words = WINDOW_WEIGHT_BYTES // 4 * self.stages if tma_w else 4
         s_words = WINDOW_SCALE_BYTES // 4 * self.stages if tma_w else 4
-        part_words = (self.splits - 1) * self.n * THREADS if self.splits > 1 else 4
+        part_words = (self.splits - 1) * self.n * TILE_M if self.splits > 1 else 4  # the tile's 256 x N per split
 
         @cute.struct
         class Shared:
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             lut: cute.struct.MemRange[Int32, 32]
-            red: cute.struct.MemRange[Float32, 8 * self.n]
+            red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
             ssx: cute.struct.MemRange[Float32, self.windows * self.n if self.cfg.smem_scales else 1]
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
             # tma_weights: each stage's window of weights [8 fragments][128 threads][16 B] and scale records [256]
@@ -148,7 +158,7 @@ class GroupedGemmSm90:
         self.shared = Shared
         self.kernel(wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, tiled_mma, b_smem_staged).launch(
             grid=[self.m_tiles, num_experts, self.splits],
-            block=[THREADS, 1, 1],
+            block=[self.threads, 1, 1],
             cluster=[1, 1, self.splits] if self.splits > 1 else None,
             use_pdl=self.cfg.pdl,
             smem=Shared.size_in_bytes(),
@@ -175,12 +185,15 @@ class GroupedGemmSm90:
         b_smem_staged: cute.ComposedLayout,
     ):
         n_tile, depth = self.n, self.prefetch
+        work = self.cfg.ablate != "stream"  # (the "stream" ablation: no decode, WGMMA or promotion)
         nw = self.nwk  # windows of this CTA: [w_lo, w_lo + nw) of the tile's K (all of them without K splits)
         tidx, _, _ = cute.arch.thread_idx()
         mt, e, ks = cute.arch.block_idx()  # ks: K split = rank in the cluster (clusters run along z)
         w_lo = ks * nw
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        wg = tidx // 128  # warpgroup j
+        # warpgroup q: rows [128 wg, 128 wg + 128) of the tile; with 4 warpgroups only its subtile sb of them
+        wg = tidx // 128 if self.wgs == 2 else tidx // 256
+        sb = 0 if self.wgs == 2 else (tidx // 128) % 2  # first subtile (of 2) of the warpgroup's rows
         tw = tidx % 128
         lane = tidx % 32
         g = lane // 4
@@ -194,11 +207,12 @@ class GroupedGemmSm90:
         count = cnt[e]  # (W2: written before W1, which let W2 launch only after its own wait)
         row_base = offs[e]
         n_tiles = (count + n_tile - 1) // n_tile
+        never = count >> 30  # 0 (row counts are far below 2^30), unknown to the compiler: for the no_mma ablation
 
         smem = utils.SmemAllocator()
         st = smem.allocate(self.shared)
         slut = st.lut.get_tensor(cute.make_layout(32))
-        sred = st.red.get_tensor(cute.make_layout((n_tile, 8)))  # [token column, warp 0..7]
+        sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]
         ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1)) if self.cfg.smem_scales else cute.make_layout(1)
         ssx = st.ssx.get_tensor(ssx_layout)  # [window, token column] of the current N tile
         sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
@@ -214,8 +228,9 @@ class GroupedGemmSm90:
             barrier_storage=st.mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-            tx_count=b_bytes + (WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES if tma_w else 0),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            tx_count=b_bytes
+            + (WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES if tma_w and self.cfg.ablate != "compute" else 0),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         cute.arch.barrier()
@@ -246,8 +261,9 @@ class GroupedGemmSm90:
         acc0 = cute.make_rmem_tensor(c_shape, Float32)
         acc1 = cute.make_rmem_tensor(c_shape, Float32)
         ncol = n_tile // 4  # token columns per thread: 2 t0 + v0 + 8 q
+        nacc = self.subs * cute.size(c_shape)  # accumulators per thread
         part_layout = cute.make_layout(
-            (max(1, self.splits - 1), n_tile, THREADS), stride=(n_tile * THREADS, THREADS, 1)
+            (max(1, self.splits - 1), nacc, self.threads), stride=(nacc * self.threads, self.threads, 1)
         )
 
         # a window's weights and scale words per thread: abuf[word 0..3, half, sub, slot], sbuf[row u, sub, slot]
@@ -256,6 +272,13 @@ class GroupedGemmSm90:
         sbuf = cute.make_rmem_tensor((2, 2, depth), Int32)
         rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales [row u, sub] of the window in flight
         sx = cute.make_rmem_tensor(ncol, Float32)  # (v2 path) its activation scales per token column
+        if cutlass.const_expr(self.cfg.ablate == "no_decode"):
+            frag0.fill(0.0)
+            frag1.fill(0.0)
+            rs.fill(1.0)
+        if cutlass.const_expr(self.cfg.ablate == "no_mma"):
+            accw0.fill(0.0)
+            accw1.fill(0.0)
 
         blk0 = (e * self.m_tiles + mt) * self.windows + w_lo  # window-major index of this CTA's first window
         srow0 = 128 * wg + 16 * wwarp + g  # CTA row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
@@ -298,8 +321,8 @@ class GroupedGemmSm90:
                 # the tile's activation scales, every window, into shared memory once: no global-load latency
                 # inside the window loop (the previous tile's readers are past the first barrier)
                 cute.arch.barrier()
-                for r in cutlass.range_constexpr(-(-nw * n_tile // THREADS)):
-                    i = tidx + THREADS * r
+                for r in cutlass.range_constexpr(-(-nw * n_tile // self.threads)):
+                    i = tidx + self.threads * r
                     if i < nw * n_tile:
                         wi = i // n_tile
                         ssx[wi, i - wi * n_tile] = sxT[w_lo + wi, row_base + col_base + i - wi * n_tile]
@@ -326,8 +349,10 @@ class GroupedGemmSm90:
                                 self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued)
                                 prod.advance()
                                 issued += 1
-                        self.promote(acc0, accw0, rs, sx, ssx, w - 1, t0, 0)
-                        self.promote(acc1, accw1, rs, sx, ssx, w - 1, t0, 1)
+                        if cutlass.const_expr(work):
+                            self.promote(acc0, accw0, rs, sx, ssx, w - 1, t0, 0)
+                            if cutlass.const_expr(self.subs == 2):
+                                self.promote(acc1, accw1, rs, sx, ssx, w - 1, t0, 1)
                     if cutlass.const_expr(not self.cfg.smem_scales):
                         # activation scales of this window's token columns (v2: a global load per window)
                         for c in cutlass.range_constexpr(ncol):
@@ -335,24 +360,27 @@ class GroupedGemmSm90:
                             sx[c] = sxT[w_lo + w, row_base + col_base + col]
                     if cutlass.const_expr(tma_w):
                         pipe.consumer_wait(cons)
-                        self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, tw, srow0, j)
-                    self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
-                    if cutlass.const_expr(not self.cfg.overlap):
-                        self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
-                    if cutlass.const_expr(not tma_w):
-                        pipe.consumer_wait(cons)
-                    warpgroup.fence()
-                    self.mma_window(tiled_mma, accw0, frag0, tCrB, cons.index)
-                    if cutlass.const_expr(self.cfg.overlap):
-                        warpgroup.commit_group()
-                        self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                    if cutlass.const_expr(work):
+                        if cutlass.const_expr(tma_w and self.cfg.ablate != "no_decode"):
+                            self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, j)
+                        self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
+                        if cutlass.const_expr(self.subs == 2 and not self.cfg.overlap):
+                            self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                        if cutlass.const_expr(not tma_w):
+                            pipe.consumer_wait(cons)
                         warpgroup.fence()
-                    if cutlass.const_expr(not tma_w):
-                        # refill this slot with window w + depth (same N tile)
-                        if w + depth < nw:
-                            self.load_window(wq, ws, abuf, sbuf, blk0 + w + depth, wg, tw, srow0, j)
-                    self.mma_window(tiled_mma, accw1, frag1, tCrB, cons.index)
-                    warpgroup.commit_group()
+                        self.mma_window(tiled_mma, accw0, frag0, tCrB, cons.index, never)
+                        if cutlass.const_expr(self.subs == 2):
+                            if cutlass.const_expr(self.cfg.overlap):
+                                warpgroup.commit_group()
+                                self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                                warpgroup.fence()
+                            if cutlass.const_expr(not tma_w):
+                                # refill this slot with window w + depth (same N tile)
+                                if w + depth < nw:
+                                    self.load_window(wq, ws, abuf, sbuf, blk0 + w + depth, wg, tw, srow0, j)
+                            self.mma_window(tiled_mma, accw1, frag1, tCrB, cons.index, never)
+                        warpgroup.commit_group()
                     prev = cons.clone()
                     cons.advance()
             # drain the tile: the last window's MMAs, release its stage, promote
@@ -364,8 +392,10 @@ class GroupedGemmSm90:
                     self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued)
                     prod.advance()
                     issued += 1
-            self.promote(acc0, accw0, rs, sx, ssx, nw - 1, t0, 0)
-            self.promote(acc1, accw1, rs, sx, ssx, nw - 1, t0, 1)
+            if cutlass.const_expr(work):
+                self.promote(acc0, accw0, rs, sx, ssx, nw - 1, t0, 0)
+                if cutlass.const_expr(self.subs == 2):
+                    self.promote(acc1, accw1, rs, sx, ssx, nw - 1, t0, 1)
             if cutlass.const_expr(self.splits > 1):
                 self.reduce_splits(acc0, acc1, st.part.data_ptr().toint(), st.part.get_tensor(part_layout), ks, tidx)
             if ks == 0:  # the cluster's leader (every CTA without K splits) finishes the tile
@@ -379,16 +409,16 @@ class GroupedGemmSm90:
                         ep_c,
                         mt,
                         wg,
+                        sb,
                         wwarp,
                         g,
                         t0,
-                        lane,
                         row_base + col_base,
                         count - col_base,
                     )
                 else:
                     self.epilogue_w2(
-                        acc0, acc1, ep_a, ep_b, mt, wg, wwarp, g, t0, row_base + col_base, count - col_base
+                        acc0, acc1, ep_a, ep_b, mt, wg, sb, wwarp, g, t0, row_base + col_base, count - col_base
                     )
             if cutlass.const_expr(self.splits > 1):
                 if nt + 1 < n_tiles:  # the leader has read this tile's partials before they are pushed again
@@ -401,19 +431,20 @@ class GroupedGemmSm90:
     ):
         """K splits: CTA ks > 0 pushes its partial accumulators into slot ks - 1 of the leader's (rank 0) shared memory,
         one cluster barrier, the leader adds them in split order (deterministic: acc_0 + acc_1 + ... )."""
+        accs = (acc0, acc1)[: self.subs]
         nacc = cute.size(acc0)
         if ks > 0:
-            slot = (ks - 1) * self.n * THREADS
-            for i in cutlass.range_constexpr(nacc):
-                st_cluster_f32(part_addr + 4 * (slot + i * THREADS + tidx), 0, acc0[i])
-                st_cluster_f32(part_addr + 4 * (slot + (nacc + i) * THREADS + tidx), 0, acc1[i])
+            slot = (ks - 1) * self.subs * nacc * self.threads
+            for s, acc in enumerate(accs):
+                for i in cutlass.range_constexpr(nacc):
+                    st_cluster_f32(part_addr + 4 * (slot + (s * nacc + i) * self.threads + tidx), 0, acc[i])
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         if ks == 0:
             for r in cutlass.range_constexpr(self.splits - 1):
-                for i in cutlass.range_constexpr(nacc):
-                    acc0[i] = acc0[i] + part[r, i, tidx]
-                    acc1[i] = acc1[i] + part[r, nacc + i, tidx]
+                for s, acc in enumerate(accs):
+                    for i in cutlass.range_constexpr(nacc):
+                        acc[i] = acc[i] + part[r, s * nacc + i, tidx]
 
     @cute.jit
     def produce_weights(
@@ -433,7 +464,7 @@ class GroupedGemmSm90:
         nw = self.nwk
         it_w = it - (it // nw) * nw
         pipe.producer_acquire(prod)
-        if cutlass.const_expr(self.cfg.tma_weights):
+        if cutlass.const_expr(self.cfg.tma_weights and self.cfg.ablate != "compute"):
             bar = pipe.producer_get_barrier(prod).toint()
             with cute.arch.elect_one():
                 stage = prod.index
@@ -475,12 +506,22 @@ class GroupedGemmSm90:
     ):
         """Subtile s of the window in `slot`: FP4 -> E4M3 A fragment (per-group LUT of its relative exponent), and the
         2^base row scales of its two rows."""
+        if cutlass.const_expr(self.cfg.ablate == "no_decode"):
+            return
+        ptx = decode8_split_sign_ptx("fma" if self.cfg.fma_shifts else "alu")
         for step in cutlass.range_constexpr(4):
             h, sh = step // 2, step % 2
-            dda = (sbuf[0, s, slot] >> (16 + 4 * step)) & 0xF
-            ddb = (sbuf[1, s, slot] >> (16 + 4 * step)) & 0xF
-            a0, a2 = decode8(abuf[2 * sh, h, s, slot], slut[2 * dda], slut[2 * dda + 1], DECODE8_SPLIT_SIGN_PTX)
-            a1, a3 = decode8(abuf[2 * sh + 1, h, s, slot], slut[2 * ddb], slut[2 * ddb + 1], DECODE8_SPLIT_SIGN_PTX)
+            # the LUT pair of each row's relative exponent dd (record bits 16 + 4 step ..): byte offset 8 dd
+            # (fma_shifts: the shift on the FMA pipe, an ablation that measured slower)
+            if cutlass.const_expr(self.cfg.fma_shifts):
+                oa = shr_u32_imad(sbuf[0, s, slot], 13 + 4 * step) & 0x78
+                ob = shr_u32_imad(sbuf[1, s, slot], 13 + 4 * step) & 0x78
+            else:
+                oa = (sbuf[0, s, slot] >> (13 + 4 * step)) & 0x78
+                ob = (sbuf[1, s, slot] >> (13 + 4 * step)) & 0x78
+            la, lb = oa >> 2, ob >> 2  # word index 2 dd
+            a0, a2 = decode8(abuf[2 * sh, h, s, slot], slut[la], slut[la + 1], ptx)
+            a1, a3 = decode8(abuf[2 * sh + 1, h, s, slot], slut[lb], slut[lb + 1], ptx)
             fw[4 * step + 0] = a0
             fw[4 * step + 1] = a1
             fw[4 * step + 2] = a2
@@ -490,12 +531,24 @@ class GroupedGemmSm90:
 
     @cute.jit
     def mma_window(
-        self, tiled_mma: cute.TiledMma, accw: cute.Tensor, frag: cute.Tensor, tCrB: cute.Tensor, stage: Int32
+        self,
+        tiled_mma: cute.TiledMma,
+        accw: cute.Tensor,
+        frag: cute.Tensor,
+        tCrB: cute.Tensor,
+        stage: Int32,
+        never: Int32,
     ):
-        """accw = frag (64 x 128, registers) @ the stage's token tile (shared memory): 4 k32 WGMMAs (uncommitted)."""
-        for kb in cutlass.range_constexpr(4):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-            cute.gemm(tiled_mma, accw, frag[(None, None, kb)], tCrB[(None, None, kb, stage)], accw)
+        """accw = frag (64 x 128, registers) @ the stage's token tile (shared memory): 4 k32 WGMMAs (uncommitted).
+        (The no_mma ablation keeps the fragments alive by a store predicated on `never`, zero at run time.)"""
+        if cutlass.const_expr(self.cfg.ablate == "no_mma"):
+            fw = cute.recast_tensor(frag, Int32)
+            for i in cutlass.range_constexpr(cute.size(fw) // 4):
+                keep_alive4(fw[4 * i], fw[4 * i + 1], fw[4 * i + 2], fw[4 * i + 3], never)
+        else:
+            for kb in cutlass.range_constexpr(4):
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(tiled_mma, accw, frag[(None, None, kb)], tCrB[(None, None, kb, stage)], accw)
 
     @cute.jit
     def load_window_smem(
@@ -506,16 +559,18 @@ class GroupedGemmSm90:
         sbuf: cute.Tensor,
         stage: Int32,
         wg: Int32,
+        sb: Int32,
         tw: Int32,
         srow0: Int32,
         slot: cutlass.Constexpr,
     ):
-        """This thread's weights and scale words of the window in `stage` (16-byte shared loads, conflict-free)."""
-        for s in cutlass.range_constexpr(2):
+        """This thread's weights and scale words of the window in `stage` (16-byte shared loads, conflict-free): its
+        subtiles sb, sb + 1 (2 warpgroups: sb = 0) or sb (4 warpgroups) of the warpgroup's rows."""
+        for s in cutlass.range_constexpr(self.subs):
             for h in cutlass.range_constexpr(2):
-                cute.autovec_copy(sW[None, tw, wg * 4 + s * 2 + h, stage], abuf[None, h, s, slot])
+                cute.autovec_copy(sW[None, tw, wg * 4 + (sb + s) * 2 + h, stage], abuf[None, h, s, slot])
             for u in cutlass.range_constexpr(2):
-                sbuf[u, s, slot] = sS[srow0 + 64 * s + 8 * u, stage]
+                sbuf[u, s, slot] = sS[srow0 + 64 * (sb + s) + 8 * u, stage]
 
     @cute.jit
     def load_window(
@@ -569,19 +624,20 @@ class GroupedGemmSm90:
         hsT: cute.Tensor,
         mt: Int32,
         wg: Int32,
+        sb: Int32,
         wwarp: Int32,
         g: Int32,
         t0: Int32,
-        lane: Int32,
         row0: Int32,
         valid: Int32,
     ):
-        """h = silu(gate) * up * rw per (token, intermediate column); FP8 per token per the tile's 128 columns."""
+        """h = silu(gate) * up * rw per (token, intermediate column); FP8 per token per the tile's 128 columns.
+        Subtile s of the warpgroup holds intermediate columns c_base + 32 (sb + s) (gate rows r, up rows r + 8)."""
         ncol = self.n // 4
-        h0 = cute.make_rmem_tensor(ncol, Float32)
-        h1 = cute.make_rmem_tensor(ncol, Float32)
-        amax = cute.make_rmem_tensor(ncol, Float32)
-        warp8 = 4 * wg + wwarp
+        hs = [cute.make_rmem_tensor(ncol, Float32) for _ in range(self.subs)]
+        accs = (acc0, acc1)[: self.subs]
+        warps = self.threads // 32
+        warp = 4 * (wg * (self.wgs // 2) + sb) + wwarp
         for c in cutlass.range_constexpr(ncol):
             v0, q = c % 2, c // 2
             col = 2 * t0 + v0 + 8 * q
@@ -589,35 +645,34 @@ class GroupedGemmSm90:
             w = Float32(0.0)
             if col < valid:
                 w = rw[row0 + col]
-            gate0, up0 = acc0[i_gate], acc0[i_up]
-            gate1, up1 = acc1[i_gate], acc1[i_up]
-            h0[c] = gate0 / (Float32(1.0) + cute.math.exp(-gate0)) * up0 * w
-            h1[c] = gate1 / (Float32(1.0) + cute.math.exp(-gate1)) * up1 * w
-            m = cute.arch.fmax(cute.math.absf(h0[c]), cute.math.absf(h1[c]))
+            m = Float32(0.0)
+            for s in cutlass.range_constexpr(self.subs):
+                gate, up = accs[s][i_gate], accs[s][i_up]
+                hs[s][c] = gate / (Float32(1.0) + cute.math.exp(-gate)) * up * w
+                m = cute.arch.fmax(m, cute.math.absf(hs[s][c]))
             for off in cutlass.range_constexpr(3):
                 m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=4 << off))
-            amax[c] = m
             if g == 0:
-                sred[col, warp8] = m
-        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+                sred[col, warp] = m
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+        c_base = 128 * mt + 64 * wg + 8 * wwarp + g + 32 * sb  # intermediate column of the thread's first subtile
         for c in cutlass.range_constexpr(ncol):
             col = 2 * t0 + (c % 2) + 8 * (c // 2)
             m = sred[col, 0]
-            for k in cutlass.range_constexpr(1, 8):
+            for k in cutlass.range_constexpr(1, warps):
                 m = cute.arch.fmax(m, sred[col, k])
             ex = fp8_pow2_exponent(m)
             inv = bits_to_f32((127 - ex) << 23)
             if col < valid:
                 row = row0 + col
-                q2 = cvt_e4m3x2(h1[c] * inv, h0[c] * inv)
-                c_base = 128 * mt + 64 * wg + 8 * wwarp + g  # intermediate column of subtile 0
+                q2 = cvt_e4m3x2(hs[self.subs - 1][c] * inv, hs[0][c] * inv)
                 hq[row, c_base] = cutlass.Uint8(q2 & 0xFF)
-                hq[row, c_base + 32] = cutlass.Uint8((q2 >> 8) & 0xFF)
-                if wg == 0:
-                    if wwarp == 0:
-                        if g == 0:
-                            hsT[mt, row] = bits_to_f32((127 + ex) << 23)
-        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+                if cutlass.const_expr(self.subs == 2):
+                    hq[row, c_base + 32] = cutlass.Uint8((q2 >> 8) & 0xFF)
+                if warp == 0:
+                    if g == 0:
+                        hsT[mt, row] = bits_to_f32((127 + ex) << 23)
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
     @cute.jit
     def epilogue_w2(
@@ -628,21 +683,24 @@ class GroupedGemmSm90:
         out: cute.Tensor,
         mt: Int32,
         wg: Int32,
+        sb: Int32,
         wwarp: Int32,
         g: Int32,
         t0: Int32,
         row0: Int32,
         valid: Int32,
     ):
-        """out[dst[row], m] = bf16(acc) for the tile's 256 output columns m."""
-        m_base = 256 * mt + 128 * wg + 16 * wwarp + g
+        """out[dst[row], m] = bf16(acc) for the tile's 256 output columns m (subtile s of the warpgroup: rows
+        64 (sb + s) of its 128)."""
+        m_base = 256 * mt + 128 * wg + 64 * sb + 16 * wwarp + g
         for i in cutlass.range_constexpr(self.n // 2):
             v0, v1, q = i % 2, (i // 2) % 2, i // 4
             col = 2 * t0 + v0 + 8 * q
             if col < valid:
                 orow = dst[row0 + col]
                 out[orow, m_base + 8 * v1] = acc0[i].to(cutlass.BFloat16)
-                out[orow, m_base + 64 + 8 * v1] = acc1[i].to(cutlass.BFloat16)
+                if cutlass.const_expr(self.subs == 2):
+                    out[orow, m_base + 64 + 8 * v1] = acc1[i].to(cutlass.BFloat16)
 
 
 @cache
