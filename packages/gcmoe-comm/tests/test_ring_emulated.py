@@ -79,5 +79,7 @@ def test_ring_sizing():
     spec = RingSpec.from_config(cfg, bm=16)
     assert spec.capacity == 8 * 256 * 8 + 32 * 15  # P * T * k slots + E/P * (BM - 1) padding, already a multiple of 16
     assert spec.blocks == spec.capacity // 16
-    with pytest.raises(ValueError, match="power of two"):
-        RingSpec.from_config(cfg, bm=12)
+    assert RingSpec.from_config(cfg, bm=24).capacity % 24 == 0  # any N tile the grouped GEMMs run (multiples of 8)
+    for bad in (12, 0):
+        with pytest.raises(ValueError, match="multiple of 8"):
+            RingSpec.from_config(cfg, bm=bad)

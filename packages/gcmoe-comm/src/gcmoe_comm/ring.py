@@ -37,10 +37,12 @@ class RingSpec:
     max_tokens: int
     bm: int
 
+    def __post_init__(self) -> None:
+        if self.bm < 8 or self.bm % 8:
+            raise ValueError(f"RingSpec: BM must be a positive multiple of 8 (a WGMMA N tile), got {self.bm}")
+
     @classmethod
     def from_config(cls, cfg: MoEConfig, bm: int) -> RingSpec:
-        if bm < 1 or bm & (bm - 1):
-            raise ValueError(f"RingSpec: BM must be a power of two, got {bm}")
         return cls(cfg.ep_size, cfg.local_experts, cfg.hidden_size, cfg.top_k, cfg.max_tokens_per_rank, bm)
 
     @property

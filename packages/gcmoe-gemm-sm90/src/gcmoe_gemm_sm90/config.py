@@ -6,7 +6,8 @@ stages     shared-memory stages of the TMA pipeline, one 128-K window each (acti
            window's weights and scale records)
 prefetch   tma_weights: windows decoded per loop iteration (1, 2 or 4); registers: 128-K windows of weights each
            thread keeps in flight in registers (2 or 4); divides K/128
-occupancy  CTAs per SM the register budget is sized for (1: up to 255 registers, 2: up to 128)
+occupancy  CTAs per SM the register budget is sized for (1: up to 255 registers, 2: up to 128; 3: up to 80, an ablation
+           only: it spills outside the main loop and measured slower, sm90-grouped-v6 run B)
 smem_scales  stage each N tile's activation scales (all windows) in shared memory once, instead of a global load per
            window inside the mainloop (False: the v2 kernel, kept for the ablation)
 tma_weights  the weights and scale records of each window arrive in the pipeline's shared-memory stage by one bulk copy
