@@ -118,3 +118,21 @@ def test_launch_refuses_a_config_the_kernel_cannot_run(monkeypatch):
     acts = prepare_activations(x, w, layout, cfg.top_k)
     with pytest.raises(ValueError, match="K splits"):  # W1: K = 512 is 4 windows, not a multiple of 2 x 4
         w1(moe.w13, acts, layout, Sm90Config(n_tile=8, prefetch=2, splits=(4, 1)))
+
+
+def test_bench_variants_are_valid_configs():
+    """Every benchmark ablation is a configuration the kernels accept for both GEMMs of a model shape (or does not
+    apply), and differs from the chosen one."""
+    from gcmoe_gemm_sm90.bench import VARIANTS, variant_config
+
+    for tokens in (1, 8, 32, 128, 256):
+        chosen = choose_config(tokens, 8, 32, 7168, 2048)
+        for name in VARIANTS:
+            cfg = variant_config(name, chosen, 7168, 2048)
+            if cfg is None:
+                continue
+            assert cfg != chosen, name
+            for (m, k), sp in zip(((4096, 7168), (7168, 2048)), cfg.splits, strict=True):
+                assert can_implement(m, k, 32, cfg, splits=sp) is None, (name, tokens, cfg)
+    with pytest.raises(ValueError, match="unknown variant"):
+        variant_config("n12", choose_config(8, 8, 32), 7168, 2048)

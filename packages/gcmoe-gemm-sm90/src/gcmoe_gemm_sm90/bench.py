@@ -10,9 +10,8 @@ Per point (CUDA-graph replay, cold L2, medians; variants interleaved A B C A B C
     ours_kernels_v4  the same tile and loop with v4's weight stream (each thread's global loads into registers)
     ours_kernels_no_overlap  the chosen configuration with both subtiles decoded before the window's WGMMAs (ablation)
     ours_kernels_no_pdl  the chosen configuration launched without programmatic dependent launch (ablation)
-    ours_kernels_n<N>  (--variants) another N tile (ablation)
     ours_kernels_<variant>  (--variants) more ablations: stage ablations (Sm90Config.ablate), warpgroups, three
-                   CTAs per SM, other N tiles (see variant_config)
+                   CTAs per SM, decode shifts on the FMA pipe, another N tile n<N> (see variant_config)
     ours_kernels_splitAB  (T <= --split-sweep) W1 / W2 with A / B K splits instead of the chosen ones
     ours_layer     + routing metadata, FP8 quantisation of x, and the slot combine (the whole torch-visible layer)
     torch_fp8      torch._scaled_grouped_mm (FP8 rowwise) W1, SwiGLU + routing weight in torch, FP8 requant, W2
