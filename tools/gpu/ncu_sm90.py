@@ -1,7 +1,6 @@
 """One DeepSeek-V3-shaped EP8 rank's W1 and W2 launches, for Nsight Compute (where the sm90 kernels' time goes).
 
-    ncu --kernel-name regex:cutlass --launch-skip 2 --launch-count 2 --section SpeedOfLight \
-        --section WarpStateStats --section Occupancy python3 tools/gpu/ncu_sm90.py deepseek-v3 8
+    bash tools/gpu/ncu_sm90.sh deepseek-v3 8      (the counters and the ncu command line: ncu_sm90.sh)
 
 Runs W1 then W2 twice (the first pair compiles and warms up; profile the second pair).
 """

@@ -48,25 +48,6 @@ def inline_ptx(ret, args, text: str, constraints: str, loc, ip, side_effects: bo
     )
 
 
-@dsl_user_op
-def shr_u32_imad(x, k: int, *, loc=None, ip=None):
-    """x >> k (logical, 1 <= k <= 31) as mul.hi.u32 x, 2^(32 - k): ptxas emits IMAD.HI on the FMA pipe instead of SHF
-    on the ALU pipe, for loops bound by the ALU pipe."""
-    if not 1 <= k <= 31:
-        raise ValueError(f"shift {k} outside 1..31")
-    text = f"mul.hi.u32 $0, $1, {1 << (32 - k)};"
-    return Int32(inline_ptx(T.i32(), [Int32(x)], text, "=r,r", loc, ip, side_effects=False))
-
-
-@dsl_user_op
-def keep_alive4(a, b, c, d, never, *, loc=None, ip=None):
-    """Four 32-bit values stored to shared memory under a predicate that is false at run time (`never` != 0 never
-    holds): the values must be computed, at the cost of one predicated-off store (for ablations that drop a value's
-    only consumer; ptxas removes values whose only reader is an empty asm block)."""
-    text = "{\n.reg .pred p;\nsetp.ne.s32 p, $4, 0;\n@p st.shared.v4.b32 [$4], {$0, $1, $2, $3};\n}"
-    inline_ptx(None, [Int32(a), Int32(b), Int32(c), Int32(d), Int32(never)], text, "r,r,r,r,r", loc, ip)
-
-
 def _cvt_pair(ptx: str, hi, lo, loc, ip):
     """One PTX conversion of two fp32 operands ($1 = hi, $2 = lo) into a 32-bit result ($0)."""
     return Int32(inline_ptx(T.i32(), [Float32(hi), Float32(lo)], ptx, "=r,f,f", loc, ip, side_effects=False))

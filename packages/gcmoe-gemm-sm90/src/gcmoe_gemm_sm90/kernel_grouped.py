@@ -61,8 +61,7 @@ from gcmoe_core.kernel_helpers import (
     cvt_e4m3x2,
     fake_epilogue_args,
     fp8_pow2_exponent,
-    keep_alive4,
-    shr_u32_imad,
+    inline_ptx,
     st_cluster_f32,
 )
 
@@ -78,10 +77,29 @@ import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass import runtime as crt  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
+from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
 Int32, Float32 = cutlass.Int32, cutlass.Float32
 WINDOW_K = 128
 TILE_M = 256
+
+
+@dsl_user_op
+def shr_u32_imad(x, k: int, *, loc=None, ip=None):
+    """x >> k (logical, 1 <= k <= 31) as mul.hi.u32 x, 2^(32 - k): IMAD.HI on the FMA pipe instead of SHF on the ALU
+    pipe (the fma_shifts ablation)."""
+    if not 1 <= k <= 31:
+        raise ValueError(f"shift {k} outside 1..31")
+    return Int32(inline_ptx(T.i32(), [Int32(x)], f"mul.hi.u32 $0, $1, {1 << (32 - k)};", "=r,r", loc, ip, False))
+
+
+@dsl_user_op
+def keep_alive4(a, b, c, d, never, *, loc=None, ip=None):
+    """Four 32-bit values stored to shared memory under a predicate that is false at run time (`never` == 0): they
+    must be computed, at the cost of one predicated-off store (the no_mma ablation; ptxas drops values whose only
+    reader is an empty asm block)."""
+    text = "{\n.reg .pred p;\nsetp.ne.s32 p, $4, 0;\n@p st.shared.v4.b32 [$4], {$0, $1, $2, $3};\n}"
+    inline_ptx(None, [Int32(a), Int32(b), Int32(c), Int32(d), Int32(never)], text, "r,r,r,r,r", loc, ip)
 
 
 class GroupedGemmSm90:
@@ -509,16 +527,13 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.cfg.ablate == "no_decode"):
             return
         ptx = decode8_split_sign_ptx("fma" if self.cfg.fma_shifts else "alu")
+        shr = shr_u32_imad if self.cfg.fma_shifts else (lambda x, k: x >> k)
         for step in cutlass.range_constexpr(4):
             h, sh = step // 2, step % 2
             # the LUT pair of each row's relative exponent dd (record bits 16 + 4 step ..): byte offset 8 dd
             # (fma_shifts: the shift on the FMA pipe, an ablation that measured slower)
-            if cutlass.const_expr(self.cfg.fma_shifts):
-                oa = shr_u32_imad(sbuf[0, s, slot], 13 + 4 * step) & 0x78
-                ob = shr_u32_imad(sbuf[1, s, slot], 13 + 4 * step) & 0x78
-            else:
-                oa = (sbuf[0, s, slot] >> (13 + 4 * step)) & 0x78
-                ob = (sbuf[1, s, slot] >> (13 + 4 * step)) & 0x78
+            oa = shr(sbuf[0, s, slot], 13 + 4 * step) & 0x78
+            ob = shr(sbuf[1, s, slot], 13 + 4 * step) & 0x78
             la, lb = oa >> 2, ob >> 2  # word index 2 dd
             a0, a2 = decode8(abuf[2 * sh, h, s, slot], slut[la], slut[la + 1], ptx)
             a1, a3 = decode8(abuf[2 * sh + 1, h, s, slot], slut[lb], slut[lb + 1], ptx)
