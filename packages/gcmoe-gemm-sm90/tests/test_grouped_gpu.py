@@ -114,3 +114,37 @@ def test_graph_replays_bitwise_identical_with_new_routing(splits):
         torch.cuda.synchronize()
         first = y.clone() if first is None else first
         assert first_mismatch(y, first) == ""
+
+
+def test_trace_leaves_outputs_bitwise_equal_and_stamps_every_cta():
+    from dataclasses import replace
+
+    from gcmoe_gemm_sm90.ops import trace_shape
+
+    cfg = Sm90Config(n_tile=16, stages=3, prefetch=2)
+    routed = SMALL.replace(num_shared_experts=0)
+    x, ids, w, weights, _ = make_problem(Case(routed, 37, "half_empty", seed=3), device="cuda")
+    moe = MoESm90.from_weights(weights, cfg)
+    layout = group_rows(ids, SMALL.num_experts, cfg.n_tile)
+    acts = prepare_activations(x, w, layout, SMALL.top_k)
+    outs = []
+    for c in (cfg, replace(cfg, trace=True)):
+        tr = [
+            torch.zeros(trace_shape(m, p, c), dtype=torch.int64, device="cuda")
+            for m, p in (("w1", moe.w13), ("w2", moe.w2))
+        ]
+        hq, hsT = w1(moe.w13, acts, layout, c, tr[0] if c.trace else None)
+        out = torch.full((ids.numel(), SMALL.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+        w2(moe.w2, hq, hsT, layout, out, c, tr[1] if c.trace else None)
+        outs.append((hq, hsT, out))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert first_mismatch(a, b) == ""
+    cnt = layout.counts.cpu()
+    for t, m_tiles in ((tr[0].cpu(), moe.w13.m // 256), (tr[1].cpu(), moe.w2.m // 256)):
+        assert (t[:, 0] > 0).all() and (t[:, 0] <= t[:, 1]).all() and (t[:, 1] <= t[:, 2]).all()
+        n_tiles = (t[:, 3] & 0xFFFFFFFF).view(-1, m_tiles)  # [expert, m tile]
+        assert (n_tiles == ((cnt + 15) // 16).unsqueeze(1)).all()
+        assert ((t[:, 3] >> 32) < torch.cuda.get_device_properties(0).multi_processor_count).all()
+    assert int(tr[1][:, 1].min()) >= int(tr[0][:, 2].max()) - 1000  # W2 past its wait only after W1's last CTA
+    with pytest.raises(ValueError, match="trace buffer"):
+        w1(moe.w13, acts, layout, replace(cfg, trace=True))

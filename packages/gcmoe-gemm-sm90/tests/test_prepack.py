@@ -136,3 +136,25 @@ def test_bench_variants_are_valid_configs():
                 assert can_implement(m, k, 32, cfg, splits=sp) is None, (name, tokens, cfg)
     with pytest.raises(ValueError, match="unknown variant"):
         variant_config("n12", choose_config(8, 8, 32), 7168, 2048)
+
+
+def test_timeline_summary_reads_the_trace_stamps():
+    """The benchmark's timeline arithmetic on hand-made traces: µs from W1's first start, ends and waits over the CTAs
+    that had work, the events' time outside the kernels."""
+    from gcmoe_gemm_sm90.bench import _timeline_summary
+
+    ns = lambda us: int(us * 1000) + 10**12  # %globaltimer-like absolute stamps
+    work = lambda n, sm: (sm << 32) | n
+    tr1 = torch.tensor(
+        [[ns(0), ns(0), ns(20), work(1, 0)], [ns(1), ns(1), ns(30), work(2, 1)], [ns(2), ns(2), ns(2.5), work(0, 2)]]
+    )
+    tr2 = torch.tensor([[ns(25), ns(31), ns(40), work(1, 0)], [ns(31), ns(33), ns(45), work(1, 3)]])
+    s = _timeline_summary(tr1, tr2, 50.0)
+    assert (s["w1_last_start"], s["w1_first_end"], s["w1_last_end"]) == (2.0, 20.0, 30.0)  # the idle CTA ends first
+    assert (s["w2_first_start"], s["w2_first_go"], s["w2_last_go"], s["w2_last_end"]) == (25.0, 31.0, 33.0, 45.0)
+    assert (s["w1_cta_median_us"], s["w2_cta_median_us"], s["outside_us"]) == (
+        20.0,
+        9.0,
+        5.0,
+    )  # (torch.median: the lower middle)
+    assert s["ctas_with_work"] == [2, 2] and s["stamp_step_ns"] == 500

@@ -17,6 +17,11 @@ Per point (CUDA-graph replay, cold L2, medians; variants interleaved A B C A B C
     torch_fp8      torch._scaled_grouped_mm (FP8 rowwise) W1, SwiGLU + routing weight in torch, FP8 requant, W2
     torch_bf16     torch._grouped_mm (BF16) for the same
     floor          active experts x 3 H I x (0.5 + 1/32) B / copy bandwidth measured in this run
+    tensor_floor   the point's FP8 tensor work (2 x 3 H I FLOP per expert row: valid rows, and rows padded to the N
+                   tile as the kernels run them) / the FP8 GEMM rate measured in this run (torch._scaled_mm, 8192^3)
+    timeline       (--timeline) per-CTA %globaltimer stamps of one cold-L2 replay of W1 + W2 (Sm90Config.trace) and of
+                   the stream ablation: when W1's CTAs start and end, when W2's start, get past their wait for W1 and
+                   end, and what the events see outside the kernels (launch_timeline)
 """
 
 from __future__ import annotations
@@ -31,10 +36,10 @@ import torch
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.testing import make_tokens, make_weights
-from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
+from gcmoe_core.timing import ColdL2, capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_gpu, time_interleaved
 
 from .config import N_TILES, can_implement, registers_config, tile_shape, with_splits
-from .ops import MoESm90, w1, w2
+from .ops import MoESm90, trace_shape, w1, w2
 
 MODELS = ("deepseek-v4-flash", "deepseek-v3", "glm-5", "glm-4.5")
 
@@ -136,6 +141,66 @@ def variant_config(name: str, kcfg, hidden: int, inter: int):
     raise ValueError(f"unknown variant {name!r}: one of {VARIANTS}")
 
 
+def fp8_gemm_rate(n: int = 8192) -> float:
+    """FLOP/s of one n^3 FP8 E4M3 GEMM (torch._scaled_mm, per-tensor scales, bf16 out), graph-replayed, warm L2: the
+    device's measured tensor ceiling for this run."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm takes it
+    one = torch.ones((), device="cuda")
+    t = time_gpu(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), iters=20, cold_l2=False)
+    return 2 * n**3 / (t["median_us"] * 1e-6)
+
+
+def _timeline_summary(tr1: torch.Tensor, tr2: torch.Tensor, event_us: float) -> dict:
+    """µs from W1's first CTA start, over CTAs with work (n tiles > 0) for the ends and the W2 waits."""
+    t0 = int(tr1[:, 0].min())
+    us = lambda v: (int(v) - t0) / 1e3
+    a1, a2 = tr1[(tr1[:, 3] & 0xFFFFFFFF) > 0], tr2[(tr2[:, 3] & 0xFFFFFFFF) > 0]
+    stamps = torch.cat([tr1[:, :3].reshape(-1), tr2[:, :3].reshape(-1)]).unique()
+    return {
+        "event_us": event_us,
+        "w1_last_start": us(tr1[:, 0].max()),
+        "w1_first_end": us(a1[:, 2].min()),
+        "w1_last_end": us(a1[:, 2].max()),
+        "w1_cta_median_us": float((a1[:, 2] - a1[:, 1]).double().median()) / 1e3,
+        "w2_first_start": us(tr2[:, 0].min()),
+        "w2_first_go": us(a2[:, 1].min()),
+        "w2_last_go": us(a2[:, 1].max()),
+        "w2_last_start": us(tr2[:, 0].max()),
+        "w2_last_end": us(a2[:, 2].max()),
+        "w2_cta_median_us": float((a2[:, 2] - a2[:, 1]).double().median()) / 1e3,
+        "outside_us": event_us - us(a2[:, 2].max()),  # graph entry + exit as the events see them
+        "ctas_with_work": [len(a1), len(a2)],
+        "stamp_step_ns": int(stamps.diff().min()) if stamps.numel() > 1 else 0,  # %globaltimer granularity seen
+    }
+
+
+def launch_timeline(moe: MoESm90, x, w, ids, kcfg, num_experts: int, top_k: int, out, reps: int = 5) -> dict:
+    """_timeline_summary of the cold-L2 replay (of `reps`) with the median event time, W1 + W2 with kcfg traced."""
+    c = dataclasses.replace(kcfg, trace=True)
+    layout = group_rows(ids, num_experts, c.n_tile)
+    acts = prepare_activations(x, w, layout, top_k)
+    tr1 = torch.zeros(trace_shape("w1", moe.w13, c), dtype=torch.int64, device="cuda")
+    tr2 = torch.zeros(trace_shape("w2", moe.w2, c), dtype=torch.int64, device="cuda")
+
+    def run():
+        hq, hsT = w1(moe.w13, acts, layout, c, tr1)
+        w2(moe.w2, hq, hsT, layout, out, c, tr2)
+
+    g = _graph(run)
+    flush = ColdL2(torch.device("cuda"))
+    runs = []
+    for _ in range(reps):
+        flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        runs.append(_timeline_summary(tr1.cpu(), tr2.cpu(), a.elapsed_time(b) * 1e3))
+    return {**sorted(runs, key=lambda r: r["event_us"])[len(runs) // 2], "reps": reps}
+
+
 def bench_point(
     model: str,
     tokens: int,
@@ -145,6 +210,8 @@ def bench_point(
     peers: bool,
     split_sweep: bool,
     variant_names=DEFAULT_VARIANTS,
+    fp8_rate: float | None = None,
+    timeline: bool = False,
 ) -> dict:
     cfg = MoEConfig.ep_slice(model, ep, max_tokens_per_rank=max(256, tokens), num_shared_experts=0)
     weights = make_weights(cfg, seed=1, device="cuda")
@@ -231,6 +298,20 @@ def bench_point(
     for k in ("torch_fp8", "torch_bf16"):
         if k in times:
             rec[f"speedup_vs_{k}"] = times[k] / times["ours_kernels"]
+    if fp8_rate:
+        cnt = layout.counts.long()
+        flop_per_row = 2 * 3 * h * i
+        padded = int(((cnt + kcfg.n_tile - 1) // kcfg.n_tile * kcfg.n_tile).sum())
+        rec.update(
+            tensor_floor_us=int(cnt.sum()) * flop_per_row / fp8_rate * 1e6,
+            tensor_floor_padded_us=padded * flop_per_row / fp8_rate * 1e6,
+        )
+        rec["tensor_x_floor"] = rec["tensor_floor_us"] / floor
+    if timeline:
+        rec["timeline"] = {
+            name: launch_timeline(moe, x, w, ids, c, cfg.num_experts, cfg.top_k, out)
+            for name, c in (("kernels", kcfg), ("stream", dataclasses.replace(kcfg, ablate="stream")))
+        }
     return rec
 
 
@@ -244,27 +325,41 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--split-sweep", type=int, default=8, help="time other K splits up to this token count")
     ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=VARIANTS, help="ablations to time")
+    ap.add_argument("--timeline", action="store_true", help="per-CTA launch timelines (launch_timeline)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bw = copy_bandwidth(torch.device("cuda"))
+    rate = fp8_gemm_rate()
     recs = []
     for model in args.models:
         for t in args.tokens:
-            r = bench_point(model, t, args.ep, bw, args.iters, not args.no_peers, t <= args.split_sweep, args.variants)
+            r = bench_point(
+                model,
+                t,
+                args.ep,
+                bw,
+                args.iters,
+                not args.no_peers,
+                t <= args.split_sweep,
+                args.variants,
+                rate,
+                args.timeline,
+            )
             torch.cuda.empty_cache()  # the point's weights and graphs are gone with its frame
             recs.append(r)
             print(json.dumps(r), flush=True)
     meta = run_meta(
         copy_tb_s=bw / 1e12,
+        fp8_gemm_tflops=rate / 1e12,
         method="CUDA-graph replay, cold L2 (4x L2 overwritten before each replay), median, variants interleaved",
     )
     (out / "sm90_grouped.json").write_text(json.dumps({"meta": meta, "records": recs}, indent=2))
     head = (
         "| model | T | N tile | warpgroups | active | floor µs | W1+W2 µs | × floor | W1 µs | layer µs | torch FP8 µs |"
-        " torch BF16 µs | vs FP8 | vs BF16 | variants: W1+W2 µs (× floor) |"
+        " torch BF16 µs | vs FP8 | vs BF16 | tensor µs (× floor) | variants: W1+W2 µs (× floor) |"
     )
-    rows = [head, "|" + " --- |" * 15]
+    rows = [head, "|" + " --- |" * 16]
     for r in recs:
         f = lambda k, r=r: f"{r[k]:.1f}" if k in r else "–"
         s = lambda k, r=r: f"{r[k]:.2f}×" if k in r else "–"
@@ -277,7 +372,8 @@ def main(argv=None) -> int:
             f"| {r['model']} | {r['tokens']} | {r['n_tile']} | {r['warpgroups']} | {r['active_experts']} | "
             f"{r['floor_us']:.1f} | **{r['ours_kernels_us']:.1f}** | **{r['x_floor']:.2f}** | {f('ours_w1_us')} | "
             f"{f('ours_layer_us')} | {f('torch_fp8_us')} | {f('torch_bf16_us')} | {s('speedup_vs_torch_fp8')} | "
-            f"{s('speedup_vs_torch_bf16')} | {others or '–'} |"
+            f"{s('speedup_vs_torch_bf16')} | {f('tensor_floor_us')} ({r.get('tensor_x_floor', 0):.2f}) | "
+            f"{others or '–'} |"
         )
     sweep = [
         f"| {r['model']} | {r['tokens']} | {r['splits'][0]}/{r['splits'][1]} | {r['ours_kernels_us']:.1f} | "
@@ -291,6 +387,23 @@ def main(argv=None) -> int:
     if sweep:
         rows += ["", "K splits (W1 W2): µs of the chosen and of the others", "", "| model | T | chosen | µs | others |"]
         rows += ["| --- | --- | --- | --- | --- |", *sweep]
+    tl_keys = ("event_us", "w1_last_start", "w1_first_end", "w1_last_end", "w1_cta_median_us", "w2_first_start")
+    tl_keys += ("w2_first_go", "w2_last_go", "w2_last_end", "w2_cta_median_us", "outside_us")
+    lines = [
+        f"| {r['model']} | {r['tokens']} | {name} | " + " | ".join(f"{tl[k]:.1f}" for k in tl_keys) + " |"
+        for r in recs
+        for name, tl in r.get("timeline", {}).items()
+    ]
+    if lines:
+        rows += [
+            "",
+            "Launch timelines (µs from W1's first CTA start; one cold-L2 replay, the median of 5 by event time)",
+            "",
+            "| model | T | run | events µs | W1 last start | W1 first end | W1 last end | W1 CTA median |"
+            " W2 first start | W2 first go | W2 last go | W2 last end | W2 CTA median | outside kernels |",
+            "|" + " --- |" * 14,
+            *lines,
+        ]
     md = (
         f"# sm90 grouped FP8×MXFP4 GEMMs — {meta['device']}, {meta['date']}\n\n"
         f"torch {meta['torch']}, cutlass-dsl {meta['cutlass_dsl']}, copy bandwidth {meta['copy_tb_s']:.2f} TB/s; "

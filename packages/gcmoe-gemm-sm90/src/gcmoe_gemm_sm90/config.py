@@ -29,6 +29,8 @@ ablate     stage ablation for the benchmark, never for results: "stream" runs th
            releases, epilogue) without decode, WGMMA or promotion; "compute" runs everything but copies no weight or
            scale bytes (decode and WGMMA on whatever the stages hold); "no_decode": no weight shared loads or decode
            (WGMMAs on zero fragments); "no_mma": decode, no WGMMA (the fragments kept alive). "" (default): the kernel
+trace      each CTA records %globaltimer at its start, when its producer dependency is met (after griddepcontrol.wait)
+           and at its end, and its %smid, into a trace buffer (the benchmark's launch timelines; results unchanged)
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Sm90Config:
     warpgroups: int = 2
     fma_shifts: bool = False
     ablate: str = ""
+    trace: bool = False
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:

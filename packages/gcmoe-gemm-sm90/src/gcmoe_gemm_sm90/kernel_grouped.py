@@ -40,6 +40,7 @@ Inputs (see ops.py for how they are made):
     lut    int32 [32]                  LUT[dd] words (prepack.lut_words)
     W1: rw fp32 [R] routing weight per row; hq uint8 [R, M/2] FP8 intermediate; hsT fp32 [M/256, R] its scales
     W2: dst int32 [R] output row per input row; out bf16 [R_out, M]
+    trace int64 [CTAs, 4]             cfg.trace: per CTA (start, dependency met, end) %globaltimer, smid << 32 | N tiles
 
 Known near-copy: load_window_smem and load_window index the same fragments from a stage and from global memory.
 Viewing the stages as [8 stage + fragment, thread, word] / [stage, row] lets load_window serve both (same offsets),
@@ -134,6 +135,7 @@ class GroupedGemmSm90:
         ep_a: cute.Tensor,
         ep_b: cute.Tensor,
         ep_c: cute.Tensor,
+        trace: cute.Tensor,
         num_experts: Int32,
         stream: cuda.CUstream,
     ):
@@ -174,7 +176,9 @@ class GroupedGemmSm90:
             part: cute.struct.Align[cute.struct.MemRange[Float32, part_words], 16]
 
         self.shared = Shared
-        self.kernel(wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, tiled_mma, b_smem_staged).launch(
+        self.kernel(
+            wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, trace, tiled_mma, b_smem_staged
+        ).launch(
             grid=[self.m_tiles, num_experts, self.splits],
             block=[self.threads, 1, 1],
             cluster=[1, 1, self.splits] if self.splits > 1 else None,
@@ -199,6 +203,7 @@ class GroupedGemmSm90:
         ep_a: cute.Tensor,
         ep_b: cute.Tensor,
         ep_c: cute.Tensor,
+        trace: cute.Tensor,
         tiled_mma: cute.TiledMma,
         b_smem_staged: cute.ComposedLayout,
     ):
@@ -217,11 +222,15 @@ class GroupedGemmSm90:
         g = lane // 4
         t0 = lane % 4
         wwarp = tw // 32  # warp within the warpgroup
+        t_start = cute.arch.globaltimer() if self.cfg.trace else 0  # (cfg.trace: the launch timeline)
+        t_go = t_start
 
         if cutlass.const_expr(self.cfg.pdl and self.is_w1):
             # programmatic dependent launch: W1's rows, scales and counts come from the kernel just before it
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
+            if cutlass.const_expr(self.cfg.trace):
+                t_go = cute.arch.globaltimer()
         count = cnt[e]  # (W2: written before W1, which let W2 launch only after its own wait)
         row_base = offs[e]
         n_tiles = (count + n_tile - 1) // n_tile
@@ -324,6 +333,8 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.cfg.pdl and not self.is_w1):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
+            if cutlass.const_expr(self.cfg.trace):
+                t_go = cute.arch.globaltimer()
         if warp_idx == 0:
             for _ in cutlass.range_constexpr(self.stages - 1):
                 if issued < total:
@@ -442,6 +453,15 @@ class GroupedGemmSm90:
                 if nt + 1 < n_tiles:  # the leader has read this tile's partials before they are pushed again
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
+        if cutlass.const_expr(self.cfg.trace):
+            # trace[cta] = (start, dependency met, end, smid << 32 | N tiles) in ns of %globaltimer; cta = the linear
+            # block index (mt fastest)
+            if tidx == 0:
+                cta = mt + self.m_tiles * (e + cute.arch.grid_dim()[1] * ks)
+                trace[cta, 0] = cutlass.Int64(t_start)
+                trace[cta, 1] = cutlass.Int64(t_go)
+                trace[cta, 2] = cutlass.Int64(cute.arch.globaltimer())
+                trace[cta, 3] = (cutlass.Int64(cute.arch.smid()) << 32) | cutlass.Int64(n_tiles)
 
     @cute.jit
     def reduce_splits(
@@ -736,6 +756,7 @@ def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
     cnt = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)
     lut = make_fake_compact_tensor(Int32, (32,), assumed_align=16)
     ep_a, ep_b, ep_c = fake_epilogue_args(mode, m)
+    trace = make_fake_compact_tensor(cutlass.Int64, (dyn(), 4), stride_order=(1, 0), assumed_align=16)
     kern = GroupedGemmSm90(mode, m, k, cfg)
     return compile_kernel(
         kern,
@@ -749,6 +770,7 @@ def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
         ep_a,
         ep_b,
         ep_c,
+        trace,
         Int32(1),
         crt.make_fake_stream(),
         arch=arch,

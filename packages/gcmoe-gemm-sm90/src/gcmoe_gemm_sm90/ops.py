@@ -27,7 +27,23 @@ from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config
 from .prepack import PackedSm90, lut_words, prepack_sm90
 
 
-def _launch(mode: str, packed: PackedSm90, x_rows, sxT, layout: RowLayout, ep_a, ep_b, ep_c, cfg: Sm90Config):
+def trace_shape(mode: str, packed: PackedSm90, cfg: Sm90Config) -> tuple[int, int]:
+    """The trace buffer of a launch with cfg.trace: int64 [CTAs, 4] (see kernel_grouped)."""
+    return packed.m // TILE_M * packed.experts * cfg.splits[0 if mode == "w1" else 1], 4
+
+
+def _launch(
+    mode: str,
+    packed: PackedSm90,
+    x_rows,
+    sxT,
+    layout: RowLayout,
+    ep_a,
+    ep_b,
+    ep_c,
+    cfg: Sm90Config,
+    trace: torch.Tensor | None = None,
+):
     import cuda.bindings.driver as cuda
 
     from gcmoe_core.cutedsl import cutlass_modules, target_arch
@@ -46,6 +62,12 @@ def _launch(mode: str, packed: PackedSm90, x_rows, sxT, layout: RowLayout, ep_a,
             f"sm90 {mode}: activation rows {tuple(x_rows.shape)} {x_rows.dtype} != "
             f"({layout.rows}, {packed.k}) uint8 (FP8 bits)"
         )
+    if cfg.trace != (trace is not None):
+        raise ValueError(f"sm90 {mode}: a trace buffer goes with cfg.trace and only with it")
+    if trace is None:
+        trace = torch.empty(1, 4, dtype=torch.int64, device=dev)
+    elif trace.shape != trace_shape(mode, packed, cfg) or trace.dtype != torch.int64 or trace.device != dev:
+        raise ValueError(f"sm90 {mode}: trace must be int64 {trace_shape(mode, packed, cfg)} on {dev}")
     kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
     wq = packed.data.view(torch.int32).view(-1, 128, 4)
     ws = packed.scales.view(-1, 256)
@@ -61,6 +83,7 @@ def _launch(mode: str, packed: PackedSm90, x_rows, sxT, layout: RowLayout, ep_a,
         ep_a,
         ep_b,
         ep_c,
+        as_cute(trace, 0, 16),
         e,
         cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
     )
@@ -75,8 +98,8 @@ def _lut(dev: torch.device) -> torch.Tensor:
     return _LUTS[dev]
 
 
-def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config):
-    """-> (hq uint8 [R, I] FP8 bits, hsT fp32 [I/128, R])."""
+def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config, trace: torch.Tensor | None = None):
+    """-> (hq uint8 [R, I] FP8 bits, hsT fp32 [I/128, R]). trace: with cfg.trace, int64 trace_shape(...)."""
     rows, inter = layout.rows, packed.m // 2
     dev = acts.x_rows.device
     hq = torch.empty(rows, inter, dtype=torch.uint8, device=dev)
@@ -91,18 +114,24 @@ def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config
         as_cute(hq, 0, 16),
         as_cute(hsT, 1, 4),
         cfg,
+        trace,
     )
     return hq, hsT
 
 
 def w2(
-    packed: PackedSm90, hq: torch.Tensor, hsT: torch.Tensor, layout: RowLayout, out: torch.Tensor, cfg: Sm90Config
+    packed: PackedSm90,
+    hq: torch.Tensor,
+    hsT: torch.Tensor,
+    layout: RowLayout,
+    out: torch.Tensor,
+    cfg: Sm90Config,
+    trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[slot, :] = W2_e h[row] for every valid row (slot = the row's (token, slot) index); bf16 [T*k, H]."""
     dummy = torch.empty(1, dtype=torch.float32, device=hq.device)
-    _launch(
-        "w2", packed, hq, hsT, layout, as_cute(layout.src_slot, 0, 4), as_cute(out, 0, 16), as_cute(dummy, None, 4), cfg
-    )
+    ep = (as_cute(layout.src_slot, 0, 4), as_cute(out, 0, 16), as_cute(dummy, None, 4))
+    _launch("w2", packed, hq, hsT, layout, *ep, cfg, trace)
     return out
 
 
