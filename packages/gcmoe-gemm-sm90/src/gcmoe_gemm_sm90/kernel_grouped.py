@@ -41,6 +41,9 @@ Inputs (see ops.py for how they are made):
     W1: rw fp32 [R] routing weight per row; hq uint8 [R, M/2] FP8 intermediate; hsT fp32 [M/256, R] its scales
     W2: dst int32 [R] output row per input row; out bf16 [R_out, M]
     trace int64 [CTAs, 4]             cfg.trace: per CTA (start, dependency met, end) %globaltimer, smid << 32 | N tiles
+Grid [M tiles, E, K splits]: grid row y runs the y-th expert that has rows (a ballot over cnt in every warp), so the
+CTAs of empty experts launch after all CTAs with work (at one token per rank most experts are empty: launched in
+expert order, their CTAs delayed the last working ones by up to 9 µs and pushed some W1 CTAs into a second wave).
 
 Known near-copy: load_window_smem and load_window index the same fragments from a stage and from global memory.
 Viewing the stages as [8 stage + fragment, thread, word] / [stage, row] lets load_window serve both (same offsets),
@@ -211,7 +214,7 @@ class GroupedGemmSm90:
         work = self.cfg.ablate != "stream"  # (the "stream" ablation: no decode, WGMMA or promotion)
         nw = self.nwk  # windows of this CTA: [w_lo, w_lo + nw) of the tile's K (all of them without K splits)
         tidx, _, _ = cute.arch.thread_idx()
-        mt, e, ks = cute.arch.block_idx()  # ks: K split = rank in the cluster (clusters run along z)
+        mt, ey, ks = cute.arch.block_idx()  # ks: K split = rank in the cluster (clusters run along z)
         w_lo = ks * nw
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         # warpgroup q: rows [128 wg, 128 wg + 128) of the tile; with 4 warpgroups only its subtile sb of them
@@ -222,16 +225,21 @@ class GroupedGemmSm90:
         g = lane // 4
         t0 = lane % 4
         wwarp = tw // 32  # warp within the warpgroup
-        t_start = cute.arch.globaltimer() if self.cfg.trace else 0  # (cfg.trace: the launch timeline)
-        t_go = t_start
+        trace_row = mt + self.m_tiles * (ey + cute.arch.grid_dim()[1] * ks)  # (cfg.trace: the launch timeline)
+        self.stamp(trace, trace_row, 0, tidx)
 
         if cutlass.const_expr(self.cfg.pdl and self.is_w1):
             # programmatic dependent launch: W1's rows, scales and counts come from the kernel just before it
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-            if cutlass.const_expr(self.cfg.trace):
-                t_go = cute.arch.globaltimer()
-        count = cnt[e]  # (W2: written before W1, which let W2 launch only after its own wait)
+            self.stamp(trace, trace_row, 1, tidx)
+        # grid row ey runs the ey-th expert with rows: the CTAs of empty experts come last in launch order, after
+        # every CTA with work (W2: the counts were written before W1, which let W2 launch only after its own wait)
+        e_found = self.active_expert(cnt, ey, cute.arch.grid_dim()[1], lane)
+        e = cutlass.max(e_found, 0)
+        count = Int32(0)
+        if e_found >= 0:
+            count = cnt[e]
         row_base = offs[e]
         n_tiles = (count + n_tile - 1) // n_tile
         never = count >> 30  # 0 (row counts are far below 2^30), unknown to the compiler: for the no_mma ablation
@@ -333,8 +341,7 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.cfg.pdl and not self.is_w1):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-            if cutlass.const_expr(self.cfg.trace):
-                t_go = cute.arch.globaltimer()
+            self.stamp(trace, trace_row, 1, tidx)
         if warp_idx == 0:
             for _ in cutlass.range_constexpr(self.stages - 1):
                 if issued < total:
@@ -453,15 +460,36 @@ class GroupedGemmSm90:
                 if nt + 1 < n_tiles:  # the leader has read this tile's partials before they are pushed again
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
+        self.stamp(trace, trace_row, 2, tidx, (cutlass.Int64(cute.arch.smid()) << 32) | cutlass.Int64(n_tiles))
+
+    @cute.jit
+    def stamp(self, trace: cute.Tensor, row: Int32, i: cutlass.Constexpr, tidx: Int32, last=None):
+        """cfg.trace: trace[row, i] = %globaltimer (ns), stored at once (no register held across the kernel); with
+        `last`, also trace[row, 3] = last. Rows: the linear block index (mt fastest); columns: start, dependency met
+        (after griddepcontrol.wait), end, smid << 32 | N tiles."""
         if cutlass.const_expr(self.cfg.trace):
-            # trace[cta] = (start, dependency met, end, smid << 32 | N tiles) in ns of %globaltimer; cta = the linear
-            # block index (mt fastest)
             if tidx == 0:
-                cta = mt + self.m_tiles * (e + cute.arch.grid_dim()[1] * ks)
-                trace[cta, 0] = cutlass.Int64(t_start)
-                trace[cta, 1] = cutlass.Int64(t_go)
-                trace[cta, 2] = cutlass.Int64(cute.arch.globaltimer())
-                trace[cta, 3] = (cutlass.Int64(cute.arch.smid()) << 32) | cutlass.Int64(n_tiles)
+                trace[row, i] = cutlass.Int64(cute.arch.globaltimer())
+                if cutlass.const_expr(last is not None):
+                    trace[row, 3] = last
+
+    @cute.jit
+    def active_expert(self, cnt: cute.Tensor, j: Int32, num_experts: Int32, lane: Int32) -> Int32:
+        """The j-th (from 0, ascending) expert with rows, or -1 where fewer than j + 1 have rows. Every warp computes
+        it on its own: a ballot over the counts of 32 experts per step."""
+        found = Int32(-1)
+        seen = Int32(0)
+        for base in cutlass.range(0, num_experts, 32, unroll=1):
+            c = Int32(0)
+            if base + lane < num_experts:
+                c = cnt[base + lane]
+            active = cute.arch.vote_ballot_sync(c > 0)
+            below = Int32(cute.arch.popc(active & cute.arch.lanemask_lt()))
+            hit = cute.arch.vote_ballot_sync((c > 0) & (seen + below == j))
+            if hit != 0:
+                found = base + 31 - Int32(cute.arch.clz(hit))
+            seen = seen + Int32(cute.arch.popc(active))
+        return found
 
     @cute.jit
     def reduce_splits(
