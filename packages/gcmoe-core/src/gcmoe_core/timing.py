@@ -3,7 +3,9 @@ FP4 weight-streaming floor of a decode MoE layer.
 
     floor(T) = active_experts * 3 * H * I * (0.5 + 1/32) B / copy_bandwidth      (weights + UE8M0 scales)
 
-Cold L2: before every timed replay a buffer of 4x the L2 size is overwritten (not timed), so weights come from HBM.
+Cold L2: before every timed replay a buffer of 4x the L2 size passes through L2 (not timed), so weights come from
+HBM. ColdL2's mode says how: "write" overwrites it (L2 is left full of dirty lines, whose write-back then shares HBM
+with the timed run: about one L2 of extra traffic), "read" only reads it (L2 is left with clean lines).
 """
 
 from __future__ import annotations
@@ -19,12 +21,22 @@ def _l2_bytes(device: torch.device) -> int:
     return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20))
 
 
+L2_FLUSHES = ("write", "read")
+
+
 class ColdL2:
-    def __init__(self, device: torch.device):
-        self.buf = torch.empty(4 * _l2_bytes(device) // 4, dtype=torch.int32, device=device)
+    def __init__(self, device: torch.device, mode: str = "write"):
+        if mode not in L2_FLUSHES:
+            raise ValueError(f"ColdL2: mode must be one of {L2_FLUSHES}, got {mode!r}")
+        self.mode = mode
+        self.buf = torch.zeros(4 * _l2_bytes(device) // 4, dtype=torch.int32, device=device)
+        self.out = torch.zeros((), dtype=torch.int32, device=device)
 
     def __call__(self) -> None:
-        self.buf.add_(1)
+        if self.mode == "write":
+            self.buf.add_(1)
+        else:
+            torch.amax(self.buf, dim=0, out=self.out)
 
 
 def capture_graph(
@@ -88,10 +100,10 @@ def time_gpu(
     }
 
 
-def time_interleaved(runs: dict, iters: int, device: torch.device | None = None) -> dict:
-    """Median microseconds of several variants measured side by side (A B C A B C ..., cold L2 before each).
-    runs: name -> CUDAGraph (replayed) or a plain callable (launched eagerly)."""
-    flush = ColdL2(device or torch.device("cuda", torch.cuda.current_device()))
+def time_interleaved(runs: dict, iters: int, device: torch.device | None = None, l2_flush: str = "write") -> dict:
+    """Median microseconds of several variants measured side by side (A B C A B C ..., cold L2 before each, by a
+    ColdL2 of mode l2_flush). runs: name -> CUDAGraph (replayed) or a plain callable (launched eagerly)."""
+    flush = ColdL2(device or torch.device("cuda", torch.cuda.current_device()), l2_flush)
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(iters):
         for name, g in runs.items():

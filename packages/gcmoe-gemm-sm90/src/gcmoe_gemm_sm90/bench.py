@@ -36,7 +36,16 @@ import torch
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.testing import make_tokens, make_weights
-from gcmoe_core.timing import ColdL2, capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_gpu, time_interleaved
+from gcmoe_core.timing import (
+    L2_FLUSHES,
+    ColdL2,
+    capture_graph,
+    copy_bandwidth,
+    fp4_floor_us,
+    run_meta,
+    time_gpu,
+    time_interleaved,
+)
 
 from .config import N_TILES, can_implement, registers_config, tile_shape, with_splits
 from .ops import MoESm90, trace_shape, w1, w2
@@ -87,6 +96,7 @@ VARIANTS = (
     "v4",
     "no_overlap",
     "no_pdl",
+    "in_order",
     "fma_shifts",
     "wg2",
     "wg4",
@@ -106,6 +116,7 @@ def variant_config(name: str, kcfg, hidden: int, inter: int):
     v4          the same tile and loop with v4's weight stream (registers_config)
     no_overlap  both subtiles decoded before the window's WGMMAs
     no_pdl      launched without programmatic dependent launch
+    in_order    grid row y runs expert y (empty experts' CTAs launch among the others), not the y-th active expert
     fma_shifts  the decode's right shifts on the FMA pipe (IMAD.HI)
     wg2 / wg4   for N >= 32 points, 2 or 4 warpgroups (where the chosen configuration has the other)
     stream / compute / no_decode / no_mma  the stage ablations (Sm90Config.ablate)
@@ -117,6 +128,8 @@ def variant_config(name: str, kcfg, hidden: int, inter: int):
         return dataclasses.replace(kcfg, overlap=False)
     if name == "no_pdl":
         return dataclasses.replace(kcfg, pdl=False)
+    if name == "in_order":
+        return dataclasses.replace(kcfg, active_first=False)
     if name == "fma_shifts":
         return dataclasses.replace(kcfg, fma_shifts=True)
     if name in ("wg2", "wg4"):
@@ -175,7 +188,9 @@ def _timeline_summary(tr1: torch.Tensor, tr2: torch.Tensor, event_us: float) -> 
     }
 
 
-def launch_timeline(moe: MoESm90, x, w, ids, kcfg, num_experts: int, top_k: int, out, reps: int = 5) -> dict:
+def launch_timeline(
+    moe: MoESm90, x, w, ids, kcfg, num_experts: int, top_k: int, out, reps: int = 5, l2_flush: str = "write"
+) -> dict:
     """_timeline_summary of the cold-L2 replay (of `reps`) with the median event time, W1 + W2 with kcfg traced."""
     c = dataclasses.replace(kcfg, trace=True)
     layout = group_rows(ids, num_experts, c.n_tile)
@@ -188,7 +203,7 @@ def launch_timeline(moe: MoESm90, x, w, ids, kcfg, num_experts: int, top_k: int,
         w2(moe.w2, hq, hsT, layout, out, c, tr2)
 
     g = _graph(run)
-    flush = ColdL2(torch.device("cuda"))
+    flush = ColdL2(torch.device("cuda"), l2_flush)
     runs = []
     for _ in range(reps):
         flush()
@@ -212,6 +227,7 @@ def bench_point(
     variant_names=DEFAULT_VARIANTS,
     fp8_rate: float | None = None,
     timeline: bool = False,
+    l2_flush: str = "write",
 ) -> dict:
     cfg = MoEConfig.ep_slice(model, ep, max_tokens_per_rank=max(256, tokens), num_shared_experts=0)
     weights = make_weights(cfg, seed=1, device="cuda")
@@ -287,7 +303,7 @@ def bench_point(
                 graphs[name] = fn
             except Exception as ex:  # a peer this torch build cannot run is reported, not hidden
                 rec[f"{name}_error"] = f"{type(ex).__name__}: {str(ex).splitlines()[0][:200]}"
-    times = time_interleaved(graphs, iters)
+    times = time_interleaved(graphs, iters, l2_flush=l2_flush)
     floor = fp4_floor_us(cfg.hidden_size, cfg.intermediate_size, rec["active_experts"], bw)
     rec.update(
         {f"{k}_us": v for k, v in times.items()},
@@ -309,7 +325,7 @@ def bench_point(
         rec["tensor_x_floor"] = rec["tensor_floor_us"] / floor
     if timeline:
         rec["timeline"] = {
-            name: launch_timeline(moe, x, w, ids, c, cfg.num_experts, cfg.top_k, out)
+            name: launch_timeline(moe, x, w, ids, c, cfg.num_experts, cfg.top_k, out, l2_flush=l2_flush)
             for name, c in (("kernels", kcfg), ("stream", dataclasses.replace(kcfg, ablate="stream")))
         }
     return rec
@@ -326,6 +342,7 @@ def main(argv=None) -> int:
     ap.add_argument("--split-sweep", type=int, default=8, help="time other K splits up to this token count")
     ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=VARIANTS, help="ablations to time")
     ap.add_argument("--timeline", action="store_true", help="per-CTA launch timelines (launch_timeline)")
+    ap.add_argument("--l2-flush", default="write", choices=L2_FLUSHES, help="how L2 is made cold (timing.ColdL2)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -345,6 +362,7 @@ def main(argv=None) -> int:
                 args.variants,
                 rate,
                 args.timeline,
+                args.l2_flush,
             )
             torch.cuda.empty_cache()  # the point's weights and graphs are gone with its frame
             recs.append(r)
@@ -352,7 +370,9 @@ def main(argv=None) -> int:
     meta = run_meta(
         copy_tb_s=bw / 1e12,
         fp8_gemm_tflops=rate / 1e12,
-        method="CUDA-graph replay, cold L2 (4x L2 overwritten before each replay), median, variants interleaved",
+        l2_flush=args.l2_flush,
+        method=f"CUDA-graph replay, cold L2 (4x L2 {'overwritten' if args.l2_flush == 'write' else 'read'} before each "
+        "replay), median, variants interleaved",
     )
     (out / "sm90_grouped.json").write_text(json.dumps({"meta": meta, "records": recs}, indent=2))
     head = (

@@ -29,6 +29,8 @@ ablate     stage ablation for the benchmark, never for results: "stream" runs th
            releases, epilogue) without decode, WGMMA or promotion; "compute" runs everything but copies no weight or
            scale bytes (decode and WGMMA on whatever the stages hold); "no_decode": no weight shared loads or decode
            (WGMMAs on zero fragments); "no_mma": decode, no WGMMA (the fragments kept alive). "" (default): the kernel
+active_first  grid row y runs the y-th expert that has rows (a ballot over the counts in each warp), so the CTAs of
+           empty experts launch after every CTA with work; False: row y runs expert y (an ablation)
 trace      each CTA records %globaltimer at its start, when its producer dependency is met (after griddepcontrol.wait)
            and at its end, and its %smid, into a trace buffer (the benchmark's launch timelines; results unchanged)
 """
@@ -64,6 +66,7 @@ class Sm90Config:
     warpgroups: int = 2
     fma_shifts: bool = False
     ablate: str = ""
+    active_first: bool = True
     trace: bool = False
 
     def __post_init__(self) -> None:
@@ -171,8 +174,9 @@ def registers_config(cfg: Sm90Config) -> Sm90Config | None:
     """The same tile with v4's weight stream (each thread's 16-byte global loads, 2 windows ahead in registers, 4
     activation stages, 2 warpgroups), for the ablation, in the form that compiles clean (no spills, no serialised
     WGMMAs; checked offline): from N = 48 without the subtile overlap (with it the register prefetch runs out of
-    registers, ptxas C7519 / C7513); from N = 16 one CTA per SM (at 128 registers it spills since the v5 loop). None
-    above N = 64 (the register prefetch does not fit beside two subtiles' accumulators)."""
+    registers, ptxas C7519 / C7513); one CTA per SM (at 128 registers it spills: from N = 16 since the v5 loop, at
+    N = 8 since the active-expert lookup). None above N = 64 (the register prefetch does not fit beside two subtiles'
+    accumulators)."""
     if cfg.n_tile > 64:
         return None
     return replace(
@@ -183,7 +187,7 @@ def registers_config(cfg: Sm90Config) -> Sm90Config | None:
         splits=(1, 1),
         warpgroups=2,
         overlap=cfg.n_tile < 48,
-        occupancy=1 if cfg.n_tile >= 16 else cfg.occupancy,
+        occupancy=1,
     )
 
 

@@ -235,7 +235,9 @@ class GroupedGemmSm90:
             self.stamp(trace, trace_row, 1, tidx)
         # grid row ey runs the ey-th expert with rows: the CTAs of empty experts come last in launch order, after
         # every CTA with work (W2: the counts were written before W1, which let W2 launch only after its own wait)
-        e_found = self.active_expert(cnt, ey, cute.arch.grid_dim()[1], lane)
+        e_found = ey  # (cfg.active_first off: grid row y runs expert y, an ablation)
+        if cutlass.const_expr(self.cfg.active_first):
+            e_found = self.active_expert(cnt, ey, cute.arch.grid_dim()[1], lane)
         e = cutlass.max(e_found, 0)
         count = Int32(0)
         if e_found >= 0:
