@@ -68,6 +68,8 @@ def test_can_implement_and_config_choice():
     # N tiles by expected rows per expert (e): e + 2 sqrt(e) rounded up to a multiple of 8, N_MAX = 80 while a typical
     # expert fits, else the fewest passes; the tile shape by registers
     assert choose_config(1, 8, 32).n_tile == 8 and choose_config(32, 8, 32).n_tile == 16  # e = 2, 8
+    # active-first grid rows only where most experts are empty (one token per rank: 7 of 32 active; 8 tokens: 28)
+    assert choose_config(1, 8, 32).active_first and not choose_config(8, 8, 32).active_first
     assert choose_config(32, 8, 20, 5120, 1536).n_tile == 24  # GLM-4.5: e = 12.8 -> 12
     assert choose_config(64, 8, 32).n_tile == 24 and choose_config(128, 8, 32).n_tile == 48  # e = 16, 32
     assert choose_config(128, 6, 32).n_tile == 40 and choose_config(256, 8, 32).n_tile == 80  # e = 24, 64

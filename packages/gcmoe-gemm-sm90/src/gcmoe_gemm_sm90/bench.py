@@ -97,6 +97,7 @@ VARIANTS = (
     "no_overlap",
     "no_pdl",
     "in_order",
+    "active_first",
     "fma_shifts",
     "wg2",
     "wg4",
@@ -116,7 +117,8 @@ def variant_config(name: str, kcfg, hidden: int, inter: int):
     v4          the same tile and loop with v4's weight stream (registers_config)
     no_overlap  both subtiles decoded before the window's WGMMAs
     no_pdl      launched without programmatic dependent launch
-    in_order    grid row y runs expert y (empty experts' CTAs launch among the others), not the y-th active expert
+    in_order / active_first  grid row y runs expert y (empty experts' CTAs launch among the others) / the y-th
+                expert with rows (where the chosen configuration has the other)
     fma_shifts  the decode's right shifts on the FMA pipe (IMAD.HI)
     wg2 / wg4   for N >= 32 points, 2 or 4 warpgroups (where the chosen configuration has the other)
     stream / compute / no_decode / no_mma  the stage ablations (Sm90Config.ablate)
@@ -128,8 +130,9 @@ def variant_config(name: str, kcfg, hidden: int, inter: int):
         return dataclasses.replace(kcfg, overlap=False)
     if name == "no_pdl":
         return dataclasses.replace(kcfg, pdl=False)
-    if name == "in_order":
-        return dataclasses.replace(kcfg, active_first=False)
+    if name in ("in_order", "active_first"):
+        first = name == "active_first"
+        return None if kcfg.active_first == first else dataclasses.replace(kcfg, active_first=first)
     if name == "fma_shifts":
         return dataclasses.replace(kcfg, fma_shifts=True)
     if name in ("wg2", "wg4"):
@@ -342,7 +345,13 @@ def main(argv=None) -> int:
     ap.add_argument("--split-sweep", type=int, default=8, help="time other K splits up to this token count")
     ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=VARIANTS, help="ablations to time")
     ap.add_argument("--timeline", action="store_true", help="per-CTA launch timelines (launch_timeline)")
-    ap.add_argument("--l2-flush", default="write", choices=L2_FLUSHES, help="how L2 is made cold (timing.ColdL2)")
+    ap.add_argument(
+        "--l2-flush",
+        default="read",
+        choices=L2_FLUSHES,
+        help="how L2 is made cold (timing.ColdL2): read (default since v7) leaves clean lines; write (up to v6) leaves "
+        "~L2 of dirty lines whose write-back shares HBM with the timed run (6-10 µs more per replay on the H200)",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
