@@ -5,7 +5,8 @@ FP4 weight-streaming floor of a decode MoE layer.
 
 Cold L2: before every timed replay a buffer of 4x the L2 size passes through L2 (not timed), so weights come from
 HBM. ColdL2's mode says how: "write" overwrites it (L2 is left full of dirty lines, whose write-back then shares HBM
-with the timed run: about one L2 of extra traffic), "read" only reads it (L2 is left with clean lines).
+with the timed run: about one L2 of extra traffic, 3.5-10.5 µs per replay on the H200), "read" only reads it (L2 is
+left with clean lines; ~57 µs of GPU time, short enough that a host-bound eager run may show its launch time).
 """
 
 from __future__ import annotations
