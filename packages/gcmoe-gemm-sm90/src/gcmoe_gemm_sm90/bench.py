@@ -5,7 +5,9 @@ token count, side by side in one run with the FP4 floor and the torch peers doin
 
 Per point (CUDA-graph replay, cold L2, medians; variants interleaved A B C A B C):
     ours_kernels   our W1 + W2 launches on prepared rows (what the operator's compute node runs)
-                   (ours are CUDA-graph replays; the torch peers are launched eagerly, see bench_point)
+                   (ours are CUDA-graph replays; the torch peers are launched eagerly, see bench_point: after the
+                   read flush's ~57 µs the GPU can wait for their host-side launches, which inflates their times at
+                   small T (sm90-grouped-v7); compare against them under --l2-flush write)
     ours_w1        the W1 launch alone (W2's share is the difference)
     ours_kernels_v4  the same tile and loop with v4's weight stream (each thread's global loads into registers)
     ours_kernels_no_overlap  the chosen configuration with both subtiles decoded before the window's WGMMAs (ablation)
