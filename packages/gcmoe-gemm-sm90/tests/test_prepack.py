@@ -10,7 +10,7 @@ from gcmoe_core.grouping import group_rows
 from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import Case, make_problem
 from gcmoe_gemm_sm90.config import Sm90Config, can_implement, choose_config
-from gcmoe_gemm_sm90.ops import MoESm90
+from gcmoe_gemm_sm90.ops import MoESm90, trace_shape
 from gcmoe_gemm_sm90.prepack import decode_prepacked_reference, effective_weights_sm90, prepack_sm90, unpack_sm90
 
 
@@ -106,7 +106,7 @@ def test_k_splits_stages_and_shared_memory():
 
 def test_launch_refuses_a_config_the_kernel_cannot_run(monkeypatch):
     """A K split (or unroll) that does not divide the windows would silently skip some: the variant is refused when
-    it is compiled, before any launch."""
+    it is compiled, before any launch. So is a trace buffer that does not match cfg.trace or the grid."""
     monkeypatch.setenv("GCMOE_ARCH", "sm_90a")  # (no GPU here: the arch the launch would compile for)
     from gcmoe_core.grouping import prepare_activations
     from gcmoe_gemm_sm90.ops import w1
@@ -120,6 +120,14 @@ def test_launch_refuses_a_config_the_kernel_cannot_run(monkeypatch):
     acts = prepare_activations(x, w, layout, cfg.top_k)
     with pytest.raises(ValueError, match="K splits"):  # W1: K = 512 is 4 windows, not a multiple of 2 x 4
         w1(moe.w13, acts, layout, Sm90Config(n_tile=8, prefetch=2, splits=(4, 1)))
+    traced = Sm90Config(n_tile=8, prefetch=2, trace=True)
+    with pytest.raises(ValueError, match="trace buffer"):  # cfg.trace without a buffer, a buffer without cfg.trace
+        w1(moe.w13, acts, layout, traced)
+    with pytest.raises(ValueError, match="trace buffer"):
+        w1(moe.w13, acts, layout, Sm90Config(n_tile=8, prefetch=2), torch.zeros(16, 4, dtype=torch.int64))
+    assert trace_shape("w1", moe.w13, traced) == (2 * 8, 4)  # W13: 2 x 256 rows = 2 M tiles, 8 experts, 1 split
+    with pytest.raises(ValueError, match="trace must be int64"):
+        w1(moe.w13, acts, layout, traced, torch.zeros(15, 4, dtype=torch.int64))
 
 
 def test_bench_variants_are_valid_configs():
