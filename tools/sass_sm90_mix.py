@@ -1,0 +1,61 @@
+"""Offline (CPU): the instruction mix of the sm90 grouped kernels' window loop, per warp and 128-K window, for the
+configurations choose_config picks on a model shape's EP8 rank (what the decode, promotion and bookkeeping cost in
+issue slots, beside the window's memory time).
+
+    GCMOE_ARCH=sm_90a python tools/sass_sm90_mix.py [--model deepseek-v3] [--tokens 1 8 32 128 256]
+
+Counts come from the innermost SASS loop that holds the QGMMAs (gcmoe_core.cutedsl.sass_loop_opcodes), divided by the
+windows one pass of it covers (its QGMMAs / (4 k32 steps x subtiles per warp)).
+"""
+
+import argparse
+
+from gcmoe_core.config import MoEConfig
+from gcmoe_core.cutedsl import sass_loop_opcodes
+from gcmoe_gemm_sm90.config import choose_config
+from gcmoe_gemm_sm90.kernel_grouped import compiled
+
+GROUPS = {  # column -> opcodes (without modifiers)
+    "PRMT": ("PRMT",),
+    "LOP3": ("LOP3",),
+    "SHF": ("SHF",),
+    "IMAD": ("IMAD",),
+    "FP32": ("FFMA", "FMUL", "FADD"),
+    "LDS": ("LDS",),
+    "uniform": None,  # every U* opcode
+    "QGMMA": ("QGMMA",),
+}
+
+
+def window_mix(mode: str, m: int, k: int, cfg) -> dict[str, float]:
+    counts, qgmma = sass_loop_opcodes(compiled(mode, m, k, cfg, "sm_90a").sass(), "QGMMA")
+    windows = qgmma / (4 * (4 // cfg.warpgroups))
+    row = {}
+    for name, ops in GROUPS.items():
+        n = sum(v for op, v in counts.items() if (op.startswith("U") if ops is None else op in ops))
+        row[name] = n / windows
+    row["all"] = sum(counts.values()) / windows
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="deepseek-v3")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 256])
+    args = ap.parse_args(argv)
+    mc = MoEConfig.ep_slice(args.model, 8, max_tokens_per_rank=max(256, *args.tokens), num_shared_experts=0)
+    h, i = mc.hidden_size, mc.intermediate_size
+    print(f"{args.model} EP8 rank: instructions per warp per 128-K window of the window loop (SASS, sm_90a)\n")
+    print("| T | GEMM | N tile | warpgroups | " + " | ".join(GROUPS) + " | all |")
+    print("|" + " --- |" * (len(GROUPS) + 5))
+    for t in args.tokens:
+        cfg = choose_config(t, mc.top_k, mc.num_experts, h, i)
+        for mode, m, k in (("w1", 2 * i, h), ("w2", h, i)):
+            r = window_mix(mode, m, k, cfg)
+            cells = " | ".join(f"{r[g]:.0f}" for g in (*GROUPS, "all"))
+            print(f"| {t} | {mode.upper()} | {cfg.n_tile} | {cfg.warpgroups} | {cells} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
