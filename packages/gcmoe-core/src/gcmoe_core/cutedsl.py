@@ -156,12 +156,12 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return usage
 
 
+_SASS_OP = r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?"  # an instruction line up to its opcode (address, predicate)
+
+
 def sass_opcodes(sass: str) -> set[str]:
     """Opcode mnemonics (with their modifiers) that appear in a SASS listing."""
-    return set(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass, flags=re.M))
-
-
-_INSTR = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+    return set(re.findall(_SASS_OP + r"([A-Z][A-Z0-9_.]+)", sass, flags=re.M))
 
 
 def sass_loop_opcodes(sass: str, marker: str) -> tuple[dict[str, int], int]:
@@ -180,7 +180,7 @@ def sass_loop_opcodes(sass: str, marker: str) -> tuple[dict[str, int], int]:
         raise ValueError(f"no loop containing {marker} in the listing")
     counts: dict[str, int] = {}
     for ln in lines[best[0] : best[1] + 1]:
-        if m := _INSTR.match(ln):
+        if m := re.match(_SASS_OP + r"([A-Z][A-Z0-9_]*)", ln):
             counts[m.group(1)] = counts.get(m.group(1), 0) + 1
     return counts, counts.get(marker, 0)
 

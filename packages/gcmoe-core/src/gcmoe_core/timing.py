@@ -62,6 +62,17 @@ def capture_graph(
     return g, out
 
 
+def time_once(run: Callable[[], object], flush: Callable[[], object]) -> float:
+    """Microseconds of one run on the current stream between two events, after an untimed flush (e.g. a ColdL2)."""
+    flush()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    run()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3
+
+
 def time_gpu(
     fn: Callable[[], object],
     iters: int = 50,
@@ -81,16 +92,7 @@ def time_gpu(
     run()
     torch.cuda.synchronize(device)
     flush = ColdL2(device) if cold_l2 else (lambda: None)
-    times = []
-    for _ in range(iters):
-        flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
+    times = sorted(time_once(run, flush) for _ in range(iters))
     return {
         "median_us": statistics.median(times),
         "min_us": times[0],
@@ -108,13 +110,7 @@ def time_interleaved(runs: dict, iters: int, device: torch.device | None = None,
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(iters):
         for name, g in runs.items():
-            flush()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay() if isinstance(g, torch.cuda.CUDAGraph) else g()
-            b.record()
-            b.synchronize()
-            times[name].append(a.elapsed_time(b) * 1e3)
+            times[name].append(time_once(g.replay if isinstance(g, torch.cuda.CUDAGraph) else g, flush))
     return {k: statistics.median(v) for k, v in times.items()}
 
 

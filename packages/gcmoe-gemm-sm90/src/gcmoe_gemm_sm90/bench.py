@@ -47,6 +47,7 @@ from gcmoe_core.timing import (
     run_meta,
     time_gpu,
     time_interleaved,
+    time_once,
 )
 
 from .config import N_TILES, can_implement, registers_config, tile_shape, with_splits
@@ -193,31 +194,36 @@ def _timeline_summary(tr1: torch.Tensor, tr2: torch.Tensor, event_us: float) -> 
     }
 
 
+def kernels_for(moe: MoESm90, x, w, ids, mcfg: MoEConfig, c, out, traces=(None, None)):
+    """(run, layout): our W1 + W2 launches with configuration c on rows grouped and quantised for its N tile outside
+    (the compute node's work); run(w1_only=True) launches W1 alone. traces: with c.trace, the two trace buffers."""
+    layout = group_rows(ids, mcfg.num_experts, c.n_tile)
+    acts = prepare_activations(x, w, layout, mcfg.top_k)
+
+    def run(w1_only=False):
+        hq, hsT = w1(moe.w13, acts, layout, c, traces[0])
+        if not w1_only:
+            w2(moe.w2, hq, hsT, layout, out, c, traces[1])
+
+    return run, layout
+
+
 def launch_timeline(
-    moe: MoESm90, x, w, ids, kcfg, num_experts: int, top_k: int, out, reps: int = 5, l2_flush: str = "write"
+    moe: MoESm90, x, w, ids, mcfg: MoEConfig, kcfg, out, reps: int = 5, l2_flush: str = "write"
 ) -> dict:
     """_timeline_summary of the cold-L2 replay (of `reps`) with the median event time, W1 + W2 with kcfg traced."""
     c = dataclasses.replace(kcfg, trace=True)
-    layout = group_rows(ids, num_experts, c.n_tile)
-    acts = prepare_activations(x, w, layout, top_k)
-    tr1 = torch.zeros(trace_shape("w1", moe.w13, c), dtype=torch.int64, device="cuda")
-    tr2 = torch.zeros(trace_shape("w2", moe.w2, c), dtype=torch.int64, device="cuda")
-
-    def run():
-        hq, hsT = w1(moe.w13, acts, layout, c, tr1)
-        w2(moe.w2, hq, hsT, layout, out, c, tr2)
-
+    tr = [
+        torch.zeros(trace_shape(m, p, c), dtype=torch.int64, device="cuda")
+        for m, p in (("w1", moe.w13), ("w2", moe.w2))
+    ]
+    run = kernels_for(moe, x, w, ids, mcfg, c, out, tr)[0]  # (owns the rows the graph reads: kept alive with it)
     g = _graph(run)
     flush = ColdL2(torch.device("cuda"), l2_flush)
     runs = []
     for _ in range(reps):
-        flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        runs.append(_timeline_summary(tr1.cpu(), tr2.cpu(), a.elapsed_time(b) * 1e3))
+        event_us = time_once(g.replay, flush)  # (the stamps are read after the replay)
+        runs.append(_timeline_summary(tr[0].cpu(), tr[1].cpu(), event_us))
     return {**sorted(runs, key=lambda r: r["event_us"])[len(runs) // 2], "reps": reps}
 
 
@@ -242,18 +248,7 @@ def bench_point(
     h, i = cfg.hidden_size, cfg.intermediate_size
     out = torch.empty(ids.numel(), cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
 
-    def kernels_for(c):  # rows grouped and quantised for c's N tile outside the graph: the compute node's work
-        layout = group_rows(ids, cfg.num_experts, c.n_tile)
-        acts = prepare_activations(x, w, layout, cfg.top_k)
-
-        def run(w1_only=False):
-            hq, hsT = w1(moe.w13, acts, layout, c)
-            if not w1_only:
-                w2(moe.w2, hq, hsT, layout, out, c)
-
-        return run, layout
-
-    run, layout = kernels_for(kcfg)
+    run, layout = kernels_for(moe, x, w, ids, cfg, kcfg, out)
     graphs = {
         "ours_kernels": _graph(run),
         "ours_w1": _graph(lambda: run(w1_only=True)),
@@ -262,7 +257,7 @@ def bench_point(
     # ablations, timed interleaved with the chosen configuration (--variants)
     # (each variant's closure owns its rows: keep it alive as long as its graph, which only holds their addresses)
     variants = {
-        f"ours_kernels_{name}": kernels_for(c)[0]
+        f"ours_kernels_{name}": kernels_for(moe, x, w, ids, cfg, c, out)[0]
         for name in variant_names
         if (c := variant_config(name, kcfg, h, i)) is not None
     }
@@ -276,7 +271,7 @@ def bench_point(
             if sp != kcfg.splits and all(
                 can_implement(m, k, cfg.num_experts, c, splits=s) is None for (m, k), s in zip(shapes, sp, strict=True)
             ):
-                variants[f"ours_kernels_split{sp[0]}{sp[1]}"] = kernels_for(c)[0]
+                variants[f"ours_kernels_split{sp[0]}{sp[1]}"] = kernels_for(moe, x, w, ids, cfg, c, out)[0]
     graphs.update({name: _graph(fn) for name, fn in variants.items()})
     rec = {
         "model": model,
@@ -330,7 +325,7 @@ def bench_point(
         rec["tensor_x_floor"] = rec["tensor_floor_us"] / floor
     if timeline:
         rec["timeline"] = {
-            name: launch_timeline(moe, x, w, ids, c, cfg.num_experts, cfg.top_k, out, l2_flush=l2_flush)
+            name: launch_timeline(moe, x, w, ids, cfg, c, out, l2_flush=l2_flush)
             for name, c in (("kernels", kcfg), ("stream", dataclasses.replace(kcfg, ablate="stream")))
         }
     return rec

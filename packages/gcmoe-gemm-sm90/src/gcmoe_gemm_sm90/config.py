@@ -48,9 +48,9 @@ WINDOW_K = 128
 TILE_M = 256
 WINDOW_WEIGHT_BYTES = TILE_M * WINDOW_K // 2  # one CTA tile's FP4 weights of one 128-K window (16 KB)
 WINDOW_SCALE_BYTES = TILE_M * 4  # its scale records, one int32 per weight row
-# active-first grid rows where fewer than half the experts are expected to have rows: 1.06-1.11x faster at one token
-# per rank (3 of 4 shapes; 78 % of the experts empty), 0.97-1.0x at 8-32 tokens (13 % or fewer empty), side by side,
-# H200, 2026-11-29 (sm90-grouped-v7)
+# active-first grid rows where fewer than half the experts are expected to have rows: 1.04-1.12x faster at one token
+# per rank (75-80 % of the experts empty), 0.97-1.0x at 8-32 tokens (13 % or fewer empty), side by side, H200,
+# 2026-11-29 (sm90-grouped-v7 runs S and R)
 ACTIVE_FIRST_BELOW = 0.5
 SPLIT_FILL = 0.5  # K-split a kernel until its expected tiles fill half the SM slots (2 CTAs per SM at T = 1)
 SMEM_PER_SM = 228 * 1024  # H100 / H200: 227 KB usable by one CTA, 1 KB reserved per resident CTA

@@ -64,14 +64,14 @@ def _launch(
         )
     if cfg.trace != (trace is not None):
         raise ValueError(f"sm90 {mode}: a trace buffer goes with cfg.trace and only with it")
+    lut, no_trace, _ = _consts(dev)
     if trace is None:
-        trace = torch.empty(1, 4, dtype=torch.int64, device=dev)
+        trace = no_trace
     elif trace.shape != trace_shape(mode, packed, cfg) or trace.dtype != torch.int64 or trace.device != dev:
         raise ValueError(f"sm90 {mode}: trace must be int64 {trace_shape(mode, packed, cfg)} on {dev}")
     kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
     wq = packed.data.view(torch.int32).view(-1, 128, 4)
     ws = packed.scales.view(-1, 256)
-    lut = _lut(dev)
     kern(
         as_cute(wq, 0, 16),
         as_cute(ws, 0, 16),
@@ -89,13 +89,16 @@ def _launch(
     )
 
 
-_LUTS: dict[torch.device, torch.Tensor] = {}
+_CONSTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def _lut(dev: torch.device) -> torch.Tensor:
-    if dev not in _LUTS:
-        _LUTS[dev] = lut_words().reshape(-1).contiguous().to(dev)
-    return _LUTS[dev]
+def _consts(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-device operands made once, not per launch: the decode LUT words, the trace buffer of an untraced launch
+    (never written) and W2's unused third epilogue operand."""
+    if dev not in _CONSTS:
+        lut = lut_words().reshape(-1).contiguous().to(dev)
+        _CONSTS[dev] = lut, torch.zeros(1, 4, dtype=torch.int64, device=dev), torch.zeros(1, device=dev)
+    return _CONSTS[dev]
 
 
 def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config, trace: torch.Tensor | None = None):
@@ -129,8 +132,7 @@ def w2(
     trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[slot, :] = W2_e h[row] for every valid row (slot = the row's (token, slot) index); bf16 [T*k, H]."""
-    dummy = torch.empty(1, dtype=torch.float32, device=hq.device)
-    ep = (as_cute(layout.src_slot, 0, 4), as_cute(out, 0, 16), as_cute(dummy, None, 4))
+    ep = (as_cute(layout.src_slot, 0, 4), as_cute(out, 0, 16), as_cute(_consts(hq.device)[2], None, 4))
     _launch("w2", packed, hq, hsT, layout, *ep, cfg, trace)
     return out
 
