@@ -75,7 +75,9 @@ def gpu(session: nox.Session) -> None:
         "-rs",
         *session.posargs,
     )
-    session.run("python", "-m", "gcmoe.cli", "bench", "--json", "bench.json", "--markdown", "bench.md")
+    session.run(
+        "python", "-m", "gcmoe.cli", "bench", "--json", "bench.json", "--markdown", "bench.md", "--plot", "bench.png"
+    )
 
 
 @nox.session(python=False)

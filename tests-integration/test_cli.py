@@ -32,15 +32,60 @@ def test_demo_fails_loudly_on_bad_backend():
     assert r.returncode != 0 and "unknown backend 'tpu'" in r.stderr
 
 
-@pytest.mark.slow
-def test_bench_reference_table(tmp_path):
-    out = tmp_path / "b.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "gcmoe.cli", "bench", "--models", "glm-4.5", "--tokens", "1", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+def test_bench_cli_writes_json_markdown_plot(tmp_path):
+    """`gcmoe bench` on this machine with every output; on a CPU: the reference backend, no floor."""
+    paths = {k: tmp_path / f"b.{k}" for k in ("json", "md", "png")}
+    shape = "custom:512,256,16,4,1"
+    r = _gcmoe(
+        "bench", "--models", shape, "--tokens", "2", "--iters", "2", "--variants", "eager", "torch_fp8",
+        "--json", str(paths["json"]), "--markdown", str(paths["md"]), "--plot", str(paths["png"]),
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    rec = json.loads(out.read_text())["records"][0]
-    assert rec["model"] == "glm-4.5" and rec["median_us"] > 0 and "| glm-4.5 |" in r.stdout
+    d = json.loads(paths["json"].read_text())
+    eager, fp8 = d["records"]
+    assert (eager["variant"], fp8["variant"]) == ("eager", "torch_fp8") and eager["tokens"] == fp8["tokens"] == 2
+    assert eager["median_us"] > 0 and fp8["median_us"] > 0 and 0 < fp8["calc_diff"] <= 1e-2
+    assert "--variants eager torch_fp8" in d["meta"]["reproduce"]
+    if d["meta"]["device"] == "CPU":
+        assert eager["backend"] == "reference" and "floor_us" not in eager
+        assert f"layer backend {shape}: reference" in r.stdout
+    assert paths["md"].read_text() in r.stdout + "\n" and f"| {shape} | 2 |" in r.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rejects_bad_arguments_before_measuring():
+    r = _gcmoe("bench", "--variants", "fastest")
+    assert r.returncode == 2 and "invalid choice: 'fastest'" in r.stderr
+    r = _gcmoe("bench", "--models", "llama")
+    assert r.returncode == 2 and "unknown model 'llama'" in r.stderr and "Traceback" not in r.stderr
+    r = _gcmoe("bench", "--models", "custom:512,256")
+    assert r.returncode == 2 and "expected custom:H,I,E,top_k,shared" in r.stderr
+
+
+def test_tune_is_wired():
+    r = _gcmoe("--help")
+    assert r.returncode == 0 and "tune" in r.stdout
+    r = _gcmoe("tune", "--help")
+    assert r.returncode == 0 and "--comm-sizes" in r.stdout
+
+
+@pytest.mark.slow
+def test_bench_default_grid_on_a_cpu(tmp_path):
+    """With no arguments on a CPU: the reference backend on deepseek-v4-flash's EP8 slice at T = 1 and 4."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the default GPU grid is the GPU run's job")
+    out = tmp_path / "b.json"
+    r = _gcmoe("bench", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    recs = json.loads(out.read_text())["records"]
+    assert [(x["model"], x["tokens"], x["variant"]) for x in recs] == [
+        ("deepseek-v4-flash", t, v) for t in (1, 4) for v in ("eager", "torch_fp8")
+    ]
+    assert all(x["median_us"] > 0 for x in recs) and {x["backend"] for x in recs[::2]} == {"reference"}
+    assert "| deepseek-v4-flash | 4 |" in r.stdout

@@ -7,7 +7,9 @@
 #   device call 2 (carry .gpu-wheels/b):  source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh info tests greenctx bench
 #   later calls on the warm machine:      source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh <steps>
 #
-# steps: info | tests | greenctx | bench | smoke | sm90 | sm90bench | comm | multiproc | commbench | rankbench | all (default: all). Each step's log and results land in $OUT.
+# steps: info | tests | greenctx | layersmoke | layer | bench | tune | smoke | sm90 | sm90bench | comm | multiproc |
+# commbench | all
+# (default: all). Each step's log and results land in $OUT. BENCH_ARGS / TUNE_ARGS / LAYER_TEST_ARGS pass through.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gcmoe-gpu-out}
@@ -22,9 +24,12 @@ run_step() {
     tests)    python3 -m pytest packages tests-integration -m "gpu or sm90 or sm103 or multigpu or compile" -rs -q \
                 --junitxml="$OUT/junit.xml" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"; return "${PIPESTATUS[0]}" ;;
     greenctx) python3 -m gcmoe_greenctx.bench --out "$OUT" 2>&1 | tee "$OUT/greenctx.log"; return "${PIPESTATUS[0]}" ;;
-    bench)    python3 -m gcmoe.cli bench --tokens 1 8 32 --json "$OUT/bench.json" --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log"
+    bench)    python3 -m gcmoe.cli bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" \
+                ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
               return "${PIPESTATUS[0]}" ;;
     smoke)    timeout 150 python3 tools/gpu/sm90_smoke.py --timeout 120 ;;
+    layersmoke) timeout 300 python3 tools/gpu/layer_smoke.py --timeout 280 2>&1 | tee "$OUT/layer-smoke.log"
+              return "${PIPESTATUS[0]}" ;;
     sm90)     timeout 200 python3 -m pytest packages/gcmoe-gemm-sm90 -m "sm90 or compile" -rs -q -p no:cacheprovider \
                 -p timeout --timeout=120 --timeout-method=thread 2>&1 | tee "$OUT/sm90-tests.log"; return "${PIPESTATUS[0]}" ;;
     comm)     timeout 420 python3 -m pytest packages/gcmoe-comm -m "gpu or compile" -rs -q -p no:cacheprovider \
@@ -33,7 +38,6 @@ run_step() {
     multiproc) python3 -m gcmoe_comm.multiproc --out "$OUT/comm-multiproc" ${MULTIPROC_ARGS:-} 2>&1 | tail -20
               return "${PIPESTATUS[0]}" ;;
     commbench) python3 -m gcmoe_comm.bench --out "$OUT" 2>&1 | tail -30; return "${PIPESTATUS[0]}" ;;
-    rankbench) python3 -m gcmoe.rank_bench --out "$OUT" ${RANK_BENCH_ARGS:-} 2>&1 | tail -30; return "${PIPESTATUS[0]}" ;;
     sm90bench) python3 -m gcmoe_gemm_sm90.bench --out "$OUT" ${SM90_BENCH_ARGS:-} 2>&1 | tail -40; return "${PIPESTATUS[0]}" ;;
     all)      for s in info tests greenctx bench sm90bench; do run_step "$s" || rc=1; done ;;
     *)        echo "unknown step $1" >&2; return 2 ;;

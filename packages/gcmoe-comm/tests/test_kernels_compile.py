@@ -21,21 +21,28 @@ def _ptx_ops(ptx: str) -> Counter:
 def test_comm_kernels_compile_with_the_protocol_instructions(model, p, bm, shared):
     cfg = MoEConfig.from_model(model, ep_size=p, max_tokens_per_rank=256)
     ks = compiled(CommShape(RingSpec.from_config(cfg, bm), 16, 16, shared), "sm_90a")
-    names = ("ready", "publish", "dispatch", "combined", "finalize")
-    ready, publish, dispatch, combined, finalize = (_ptx_ops(ks[n].ptx) for n in names)
+    names = ("ready", "publish", "dispatch", "finalize")
+    ready, publish, dispatch, finalize = (_ptx_ops(ks[n].ptx) for n in names)
     assert ready["st.release.sys.global.u32"] == 1 and ready["fence.acq_rel.sys"] == 1  # READY = g
-    assert publish["st.release.sys.global.u32"] == 1 and publish["atom.acq_rel.gpu.global.add.u32"] == 1  # last CTA
+    # publish: READY and the host status (slot path) released at system scope; the last CTA; the workspace's INUSE
+    # taken by compare-and-swap
+    assert publish["st.release.sys.global.u32"] == 2 and publish["atom.acq_rel.gpu.global.add.u32"] == 1
+    assert publish["atom.acq_rel.gpu.global.cas.b32"] == 1
     assert "cvt.rn.satfinite.e4m3x2.f32" in ks["publish"].ptx and "vote.sync.any.pred" in ks["publish"].ptx
     assert dispatch["ld.acquire.sys.global.u32"] >= 1 and dispatch["nanosleep.u32"] >= 1  # bounded wait on READY
     assert dispatch["atom.relaxed.sys.global.cas.b32"] == 1  # the error word, first failure wins
     assert dispatch["match.any.sync.b32"] == 1 and dispatch["atom.shared.add.u32"] == 1
-    assert dispatch["st.release.gpu.global.u32"] == 1  # L1_FULL[b] = g for W1
+    assert dispatch["st.release.gpu.global.u32"] == 2  # OFFS = g, then L1_FULL[b] = g: what W1 acquires
     assert dispatch["ld.global.v4.u32"] >= 1 and dispatch["st.global.v4.u32"] >= 1  # 16-byte pulls
-    assert combined["atom.release.sys.global.add.u32"] == 1  # RECV[g & 1] += 1 on every peer
+    assert finalize["atom.release.sys.global.add.u32"] == 1  # combined: RECV[g & 1] += 1 on every peer
     assert finalize["ld.acquire.sys.global.u32"] >= 1 and finalize["st.release.sys.global.u32"] == 1  # reset
     assert finalize["atom.acq_rel.gpu.global.add.u32"] == 1  # last-CTA detection
+    assert finalize["ld.acquire.gpu.global.u32"] == 1 and finalize["st.release.gpu.global.u32"] == 1  # INUSE
     for name, k in ks.items():
         res = k.resources()
         assert res["LOCAL"] == 0 and res["STACK"] == 0, (name, res)
+    one = compiled(CommShape(RingSpec.from_config(cfg.replace(ep_size=1), bm), 16, 16, shared), "sm_90a")
+    one_dispatch = _ptx_ops(one["dispatch"].ptx)  # P = 1: every signal is this GPU's own (gpu scope, no sys fences)
+    assert one_dispatch["ld.acquire.gpu.global.u32"] >= 1 and one_dispatch["ld.acquire.sys.global.u32"] == 0
     sass = ks["dispatch"].sass()
     assert "MATCH.ANY" in sass and "LDG.E.128" in sass and "STG.E.128" in sass

@@ -40,44 +40,48 @@ def _weights(seed: int):
 @pytest.mark.parametrize("p", [1, 2, 4])
 @pytest.mark.parametrize("routing", ["uniform", "one_expert", "half_empty", "one_rank"])
 def test_dispatch_and_combine_bit_exact(p, routing):
+    """The shared expert rides the ring (ring expert E/P, fed from the rank's own tokens, slot k)."""
     xs, ids, ws = _ranks(p, routing, seed=p * 10 + len(routing))
     weights = _weights(seed=1)
-    ref_dispatch, ref_combine = multirank_reference(xs, ids, ws, weights)
+    ref_dispatch, ref_combine = multirank_reference(xs, ids, ws, weights, shared_in_ring=True)
     cfg = MoEConfig(H, INTER, E, K, num_shared_experts=1, ep_size=p, max_tokens_per_rank=16)
     spec = RingSpec.from_config(cfg, bm=8)
-    combine = [torch.full((x.shape[0] * K, H), float("nan"), dtype=torch.bfloat16) for x in xs]  # poisoned
+    slots = spec.slots
+    combine = [torch.full((x.shape[0] * slots, H), float("nan"), dtype=torch.bfloat16) for x in xs]  # poisoned
+    shared = [shared_slot_rows(activation_input(x, "fp8_mxfp4"), weights) for x in xs]
     for q in range(p):
         ring = dispatch_emulated(spec, q, ids, ws, xs)
         ref = ref_dispatch[q]
         valid = ring.src[:, 0] >= 0
         assert torch.equal(ring.counts, ref.expert_counts)
+        assert int(ring.counts[-1]) == xs[q].shape[0]  # the shared expert sees every token of this rank
         assert int(valid.sum()) == ref.src.shape[0]
         assert all(int(o) % spec.bm == 0 for o in ring.offsets)
         assert first_mismatch(ring.src[valid], ref.src) == ""
         assert first_mismatch(ring.x_rows[valid].view(torch.float8_e4m3fn), ref.x_payload) == ""
         assert first_mismatch(ring.sxT[:, valid].t(), ref.x_scale) == ""
         # every block holds rows of one expert only
-        for e in range(spec.local_experts):
+        for e in range(spec.ring_experts):
             lo, hi = int(ring.offsets[e]), int(ring.offsets[e + 1])
             assert lo % spec.bm == 0 and hi % spec.bm == 0
         # W2 stand-in: each ring row's output is the reference's slot row for its (src rank, token, slot)
         out = torch.zeros(spec.capacity, H, dtype=torch.bfloat16)
         for i in valid.nonzero().squeeze(1).tolist():
             r, t, j = ring.src[i].tolist()
-            out[i] = ref_combine[r].slot_rows[t, j]
-        scatter_emulated(ring, out, combine, K)
+            out[i] = ref_combine[r].slot_rows[t, j] if j < K else shared[r][t, j - K]
+        scatter_emulated(ring, out, combine, slots)
     for r in range(p):
-        rows = combine[r].view(-1, K, H)
+        rows = combine[r].view(-1, slots, H)
         assert not rows.isnan().any(), "a combine row was never written"
-        assert first_mismatch(rows, ref_combine[r].slot_rows) == ""
-        shared = shared_slot_rows(activation_input(xs[r], "fp8_mxfp4"), weights)
-        assert first_mismatch(combine_slots(torch.cat((rows, shared), dim=1)), ref_combine[r].y) == ""
+        assert first_mismatch(rows, torch.cat((ref_combine[r].slot_rows, shared[r]), dim=1)) == ""
+        assert first_mismatch(combine_slots(rows), ref_combine[r].y) == ""
 
 
 def test_ring_sizing():
     cfg = MoEConfig.from_model("deepseek-v3", ep_size=8, max_tokens_per_rank=256)
     spec = RingSpec.from_config(cfg, bm=16)
-    assert spec.capacity == 8 * 256 * 8 + 32 * 15  # P * T * k slots + E/P * (BM - 1) padding, already a multiple of 16
+    # P * T * k routed slots + T shared rows + (E/P + S) * (BM - 1) padding, already a multiple of 16
+    assert spec.capacity == 8 * 256 * 8 + 256 + 33 * 15 + 1
     assert spec.blocks == spec.capacity // 16
     assert RingSpec.from_config(cfg, bm=24).capacity % 24 == 0  # any N tile the grouped GEMMs run (multiples of 8)
     for bad in (12, 0):

@@ -7,7 +7,7 @@ import torch
 
 from gcmoe_comm.comm import CommRank
 from gcmoe_comm.ring import RingSpec
-from gcmoe_comm.workspace import SIG_ERR, SIG_L1_FULL, CommError, Workspace, WorkspaceLayout
+from gcmoe_comm.workspace import SIG_BAD, SIG_ERR, SIG_L1_FULL, CommError, Workspace, WorkspaceLayout
 from gcmoe_core.config import MoEConfig
 
 SPEC = RingSpec(ranks=2, local_experts=4, hidden=256, top_k=2, max_tokens=16, bm=8)
@@ -23,7 +23,7 @@ def test_layout_aligned_disjoint_and_sized():
     assert all(off % 128 == 0 for off in lay.offsets.values())
     assert spans[-1][1] <= lay.nbytes
     assert lay.sizes["ring_x"] == spec.capacity * 7168
-    assert lay.sizes["combine"] == (256 * 8 + 1) * 7168 * 2
+    assert lay.sizes["combine"] == (256 * (8 + 1) + 1) * 7168 * 2  # k + S slots per token, then the sink row
     assert lay.sizes["signals"] == (SIG_L1_FULL + spec.blocks) * 4
 
 
@@ -50,8 +50,26 @@ def test_error_words_become_a_clear_error_and_recover_clears_them():
     wss[1].views.signals[SIG_ERR : SIG_ERR + 5] = torch.tensor([1, 2, 1, 3, 1], dtype=torch.int32)
     with pytest.raises(CommError, match=r"rank 1's receive counter: wanted 2 arrivals for generation 3, saw 1"):
         wss[1].check()
+    wss[1].views.signals[SIG_ERR : SIG_ERR + 5] = torch.tensor([1, 4, 12, 3, 2], dtype=torch.int32)
+    with pytest.raises(CommError, match=r"rank 1: timed out waiting on block 12 of its own ring .*generation 3, saw 2"):
+        wss[1].check()
+    wss[0].views.signals[SIG_ERR : SIG_ERR + 5] = torch.tensor([1, 5, 0, 9, 4], dtype=torch.int32)
+    with pytest.raises(CommError, match=r"a call \(ticket 9\) found its workspace, held by another call .*ticket 4"):
+        wss[0].check()
     wss[1].recover()  # virtual ranks: resets every sibling
     wss[0].check(), wss[1].check()
+
+
+def test_bad_input_words_read_as_argument_errors_and_clear():
+    ws = Workspace.virtual(SPEC, "cpu")[0]
+    assert ws.bad_input() is None
+    ws.views.signals[SIG_BAD : SIG_BAD + 4] = torch.tensor([1, 3, 1, 99], dtype=torch.int32)
+    assert ws.bad_input() == (
+        "gcmoe: topk_ids: holds expert id 99 at token 3, slot 1, out of range [0, 8) (that slot was dropped)"
+    )
+    assert ws.bad_input() is None  # read once, then cleared
+    ws.views.signals[SIG_BAD : SIG_BAD + 4] = torch.tensor([2, 0, 1, 0x7FC00000], dtype=torch.int32)
+    assert "non-finite routing weight" in ws.bad_input()
 
 
 def test_workspace_argument_errors():

@@ -1,41 +1,89 @@
-"""The sm_103a kernels' tile schedule, indexing and math in torch, on the prepacked tensors, against the reference;
-and every can_implement rejection (CPU)."""
+"""The sm_103a kernels' models (tile schedule, indexing and math in torch, on the prepacked tensors): W1 and W2 each
+against the per-expert reference; and every can_implement rejection (CPU). The layer around them is gcmoe's sm103
+backend, tested end to end in packages/gcmoe/tests/test_backends.py."""
 
 import pytest
 import torch
 
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.formats import quantize_fp8_e4m3_1x128
-from gcmoe_core.reference import moe_reference
-from gcmoe_core.testing import Case, calc_diff, make_problem
+from gcmoe_core.formats import dequantize_fp8_1x128, quantize_fp8_e4m3_1x128
+from gcmoe_core.grouping import append_shared, group_rows, prepare_activations
+from gcmoe_core.reference import w1_reference, w2_reference
+from gcmoe_core.testing import Case, calc_diff, make_problem, poison_
 from gcmoe_gemm_sm103.config import Sm103Config, can_implement, layer_missing
-from gcmoe_gemm_sm103.emulate import token_scale_atoms
-from gcmoe_gemm_sm103.ops import MoESm103
+from gcmoe_gemm_sm103.emulate import emulate_w1, emulate_w2, prepack_layer, token_scale_atoms
 from gcmoe_gemm_sm103.prepack import sf_atom_offsets
 
 CFG = MoEConfig(
     hidden_size=256, intermediate_size=128, num_experts=4, top_k=2, num_shared_experts=1, max_tokens_per_rank=512
 )
+N_TILE = Sm103Config().n_tile
+ROUTINGS = ["uniform", "one_expert", "half_empty"]
+TOKENS = [3, 130]  # 130: an expert with more than one 128-token tile (one_expert, and the shared expert)
 
 
-@pytest.mark.parametrize("routing", ["uniform", "one_expert", "half_empty"])
-@pytest.mark.parametrize("tokens", [3, 130])  # 130: an expert with more than one 128-token tile (one_expert)
-def test_emulated_kernels_match_reference(routing, tokens):
-    x, ids, w, weights, _ = make_problem(Case(CFG, tokens, routing, seed=tokens))
-    y = MoESm103.from_weights(weights).forward(x, ids, w, emulate=True)
-    ref = moe_reference(x, ids, w, weights)
-    assert calc_diff(y, ref) < 1e-5
+def grouped_problem(tokens: int, routing: str, seed: int):
+    """MXFP4 experts (shared ones appended), their K128 prepacks, the expert-sorted rows and FP8 activations."""
+    x, ids, w, weights, _ = make_problem(Case(CFG, tokens, routing, seed=seed))
+    w13, w2 = weights.shared_as_experts()
+    ids, w = append_shared(ids, w, CFG.num_experts, CFG.num_shared_experts)
+    layout = group_rows(ids, w13.shape[0], N_TILE)
+    return (w13, w2), prepack_layer(w13, w2), layout, prepare_activations(x, w, layout, ids.shape[1])
+
+
+def experts_rows(layout) -> list[tuple[int, slice]]:
+    """(expert, its valid rows) of every expert that has rows."""
+    spans = zip(layout.offsets.tolist(), layout.counts.tolist())
+    return [(e, slice(off, off + cnt)) for e, (off, cnt) in enumerate(spans) if cnt]
+
+
+def fp8_rows(q_bits: torch.Tensor, sT: torch.Tensor, rows: slice) -> torch.Tensor:
+    """fp32 values of FP8 rows (uint8 bits [R, K], transposed per-128 scales [K/128, R])."""
+    return dequantize_fp8_1x128(q_bits[rows].view(torch.float8_e4m3fn), sT[:, rows].t())
+
+
+def w1_against_reference(p13, w13, layout, acts) -> float:
+    """calc_diff of the W1 model's h (valid rows, FP8 values) against the per-expert reference."""
+    hq, hsT = emulate_w1(p13, acts, token_scale_atoms(acts.sxT), layout)
+    got, want = [], []
+    for e, rows in experts_rows(layout):
+        ref = w1_reference(fp8_rows(acts.x_rows, acts.sxT, rows), w13[e], acts.route_w[rows], "fp8_mxfp4")
+        want.append(dequantize_fp8_1x128(*ref))
+        got.append(fp8_rows(hq, hsT, rows))
+    return calc_diff(torch.cat(got), torch.cat(want))
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_emulated_w1_matches_reference(routing, tokens):
+    """SwiGLU of the gate/up-interleaved tile pairs, routing weight, FP8 requant per 128 columns: every valid row."""
+    (w13, _), (p13, _), layout, acts = grouped_problem(tokens, routing, seed=tokens)
+    assert w1_against_reference(p13, w13, layout, acts) < 1e-5
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_emulated_w2_writes_every_slot_as_reference(routing, tokens):
+    """W2 on the W1 model's FP8 h: out[slot] of every (token, slot) pair; a poisoned (NaN) row would show."""
+    (_, w2), (p13, p2), layout, acts = grouped_problem(tokens, routing, seed=tokens)
+    hq, hsT = emulate_w1(p13, acts, token_scale_atoms(acts.sxT), layout)
+    slots = int((layout.src_slot >= 0).sum())
+    out = poison_(torch.empty(slots, CFG.hidden_size, dtype=torch.bfloat16))
+    want = poison_(torch.empty_like(out))
+    for e, rows in experts_rows(layout):
+        want[layout.src_slot[rows].long()] = w2_reference(fp8_rows(hq, hsT, rows), w2[e])
+    emulate_w2(p2, hq, token_scale_atoms(hsT), layout, out)
+    assert not out.isnan().any() and not want.isnan().any()
+    assert calc_diff(out, want) < 1e-5
 
 
 def test_emulation_is_sensitive_to_the_layout():
     """A wrong scale-atom position (swapping two rows' scales) must show: the check is not vacuous."""
-    x, ids, w, weights, _ = make_problem(Case(CFG, 9, "uniform", seed=4))
-    moe = MoESm103.from_weights(weights)
+    (w13, _), (p13, _), layout, acts = grouped_problem(9, "uniform", seed=4)
     off = sf_atom_offsets()
     a, b = int(off[0, 0]), int(off[1, 0])
-    moe.w13.sf[..., [a, b]] = moe.w13.sf[..., [b, a]]
-    y = moe.forward(x, ids, w, emulate=True)
-    assert calc_diff(y, moe_reference(x, ids, w, weights)) > 1e-5
+    p13.sf[..., [a, b]] = p13.sf[..., [b, a]]
+    assert w1_against_reference(p13, w13, layout, acts) > 1e-5
 
 
 def test_token_scale_atoms_replicate_per_128_scales():

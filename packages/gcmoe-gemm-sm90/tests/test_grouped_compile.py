@@ -1,5 +1,6 @@
 """Offline (CPU) compile of the grouped W1/W2 kernels for sm_90a: register-A QGMMA present, no local memory, the
-weights streamed the configured way (bulk copy into shared memory + 16-byte shared loads, or 16-byte global loads)."""
+weights streamed by bulk copy into shared memory + 16-byte shared loads, the WGMMAs pipelined; in ring mode the
+bounded acquires of the comm signals (ld.acquire + %globaltimer) and W2's bf16 stores through the peer table."""
 
 import re
 from dataclasses import replace
@@ -7,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from gcmoe_core.cutedsl import sass_opcodes
-from gcmoe_gemm_sm90.config import Sm90Config, choose_config, registers_config, with_splits
+from gcmoe_gemm_sm90.config import Sm90Config, choose_config, with_splits
 
 pytestmark = pytest.mark.compile
 
@@ -19,16 +20,15 @@ VARIANTS = [
     ("w1", 4096, 7168, Sm90Config(8, 4, 2, 2, smem_scales=False)),  # activation scales from global memory (v2)
     ("w1", 4096, 7168, with_splits(Sm90Config(16, 2, 2, 2), (4, 4), 7168, 2048)),  # K splits over a 4-CTA cluster
     # the chosen configurations (T = 1, 32, 64, 128, 256 on a DeepSeek-V3 EP8 rank: N 8, 16, 24, 48 with 4
-    # warpgroups, 80 with 2) and their v4 ablations
+    # warpgroups, 80 with 2), as the operator runs them (ring mode) and on prepared rows
     *[(mode, m, k, choose_config(t, 8, 32)) for t in (1, 32, 64, 128, 256) for mode, m, k in W1_W2],
-    *[(mode, m, k, registers_config(choose_config(t, 8, 32))) for t in (1, 32, 128) for mode, m, k in W1_W2],
+    *[(mode, m, k, replace(choose_config(t, 8, 32), ring=True)) for t in (1, 8, 32, 128, 256) for mode, m, k in W1_W2],
     # 2 warpgroups at N = 48 (the ablation of the 4-warpgroup choice), 4 warpgroups with K splits
     *[
         (mode, m, k, with_splits(replace(choose_config(128, 8, 32), warpgroups=2), (1, 1), 7168, 2048))
         for mode, m, k in W1_W2
     ],
     ("w1", 4096, 7168, with_splits(Sm90Config(16, 2, 2, warpgroups=4), (2, 2), 7168, 2048)),
-    ("w1", 4096, 7168, replace(choose_config(8, 8, 32), fma_shifts=True)),  # the decode's shifts on the FMA pipe
 ]
 
 
@@ -38,8 +38,8 @@ VARIANTS = [
     ids=lambda v: (
         str(v)
         if not hasattr(v, "n_tile")
-        else f"n{v.n_tile}s{v.stages}p{v.prefetch}o{v.occupancy}ss{v.smem_scales:d}{'tma' if v.tma_weights else 'reg'}"
-        f"{'' if v.warpgroups == 2 else 'wg4'}{'fma' if v.fma_shifts else ''}"
+        else f"n{v.n_tile}s{v.stages}p{v.prefetch}o{v.occupancy}ss{v.smem_scales:d}sp{v.splits[0]}{v.splits[1]}"
+        f"{'' if v.warpgroups == 2 else 'wg4'}{'ring' if v.ring else ''}"
     ),
 )
 def test_grouped_kernel_sass(mode, m, k, cfg):
@@ -52,12 +52,13 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
     assert re.search(rf"QGMMA\.64x{n}x32\.F32\.E4M3\.E4M3 R\d+, R\d+, gdesc", sass), "no register-A QGMMA"
     ops = sass_opcodes(sass)
     assert "PRMT" in ops and "UTMALDG.2D" in ops
-    if cfg.tma_weights:  # weights: one bulk copy per window into the stage, 16-byte shared loads, no global loads
-        assert "UBLKCP.S.G" in ops and "LDS.128" in ops and "LDG.E.128" not in ops
-    else:
-        assert "LDG.E.128" in ops
-    if cfg.fma_shifts:  # the decode's right shifts on the FMA pipe
-        assert "IMAD.HI.U32" in ops
+    # weights: one bulk copy per window into the stage, 16-byte shared loads, no global loads
+    assert "UBLKCP.S.G" in ops and "LDS.128" in ops and "LDG.E.128" not in ops
+    if cfg.ring:  # bounded acquires of the comm signals: acquire loads polled against %globaltimer, a nanosleep
+        assert any(o.startswith("LDG.E.STRONG.GPU") for o in ops) and "NANOSLEEP" in ops
+        assert any(o.startswith("CS2R") for o in ops) or "S2UR" in ops
+    if mode == "w2":  # bf16 stores at addresses from the combine peer table, not through a tensor of the output
+        assert any(o.startswith("STG.E.U16") for o in ops)
     # the WGMMAs are pipelined: one wait per window (8 QGMMAs, 4 with 4 warpgroups) and the drain, not one after each
     # (ptxas C7513/C7515 serialisation)
     qgmma, waits = len(re.findall(r"\bQGMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))

@@ -1,12 +1,21 @@
 """The sm90 grouped W1/W2 kernels on an H200 against their torch models and the quantisation-emulating reference:
-fresh random data, poisoned outputs, uniform / one-expert / half-empty routing, bitwise-stable graph replays."""
+fresh random data, poisoned outputs, uniform / one-expert / half-empty routing, the layer on prepared rows
+(gcmoe_core.grouping.grouped_forward around ops.w1 / w2), bitwise-stable graph replays; ring mode (Sm90Config.ring) on
+hand-made signal words: the same bits as the launch on prepared rows, nothing stored once ERR is set, bounded waits
+recorded in ERR."""
+
+import time
+from dataclasses import replace
+from itertools import accumulate
 
 import pytest
 import torch
 
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.grouping import group_rows, prepare_activations
+from gcmoe_core.formats import quantize_fp8_e4m3_1x128
+from gcmoe_core.grouping import Activations, RowLayout, group_rows, grouped_forward, prepare_activations
 from gcmoe_core.reference import MoEWeights, moe_reference
+from gcmoe_core.signals import ERR_FAILED, KIND_BLOCK, KIND_OFFS, KIND_RECV
 from gcmoe_core.testing import (
     Case,
     calc_diff,
@@ -15,13 +24,14 @@ from gcmoe_core.testing import (
     make_problem,
     make_tokens,
     make_weights,
+    poison_,
 )
 from gcmoe_core.timing import capture_graph
 from gcmoe_gemm_sm90.config import Sm90Config
-from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2, w1, w2
+from gcmoe_gemm_sm90.ops import MoESm90, RingSync, emulate_w1, emulate_w2, launch_w1, launch_w2, w1, w2
 from gcmoe_gemm_sm90.prepack import unpack_sm90
 
-pytestmark = pytest.mark.sm90
+pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
 
 SMALL = MoEConfig(
     hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, num_shared_experts=1, max_tokens_per_rank=512
@@ -33,10 +43,36 @@ def _dequant_rows(hq, hsT):
     return (hq.view(torch.float8_e4m3fn).float().view(-1, k, 128) * hsT.t().unsqueeze(-1)).view(hq.shape[0], -1)
 
 
-VARIANTS = {  # tma: weights by bulk copy into the pipeline's stages; registers: per-thread global loads (v4)
-    "tma": dict(prefetch=2),
-    "tma-global-scales": dict(prefetch=2, smem_scales=False),
-    "registers": dict(prefetch=2, tma_weights=False),
+def _assert_w1_matches_model(hq, hsT, eq, es, valid):
+    """W1's outputs on the valid rows against its torch model. Power-of-two scales: equal, except that one whose amax
+    lies at a 448 * 2^e boundary (within FP32 rounding of the two summation orders) may sit one binade off; the
+    dequantised values must match either way."""
+    ratio = hsT[:, valid] / es[:, valid]
+    assert ((ratio == 1) | (ratio == 2) | (ratio == 0.5)).all(), "activation scales off by more than a binade"
+    assert int((ratio != 1).sum()) <= 2, f"{int((ratio != 1).sum())} activation scales one binade off"
+    d = calc_diff(_dequant_rows(hq, hsT)[valid], _dequant_rows(eq, es)[valid])
+    assert d < 1e-3, d
+
+
+def sm90_layer(moe: MoESm90, x, ids, w):
+    """The whole layer on the sm90 kernels: the pipeline on prepared rows around w1 / w2."""
+    cfg = moe.config_for(*ids.shape)
+    return grouped_forward(
+        x,
+        ids,
+        w,
+        moe.num_routed,
+        moe.num_shared,
+        cfg.n_tile,
+        moe.hidden,
+        lambda acts, lay: w1(moe.w13, acts, lay, cfg),
+        lambda hq, hs, lay, out: w2(moe.w2, hq, hs, lay, out, cfg),
+    )
+
+
+VARIANTS = {  # weights by bulk copy into the pipeline's stages (the only weight stream)
+    "smem-scales": dict(prefetch=2),
+    "global-scales": dict(prefetch=2, smem_scales=False),
     # K splits over a cluster (SMALL: W1 has 4 windows, W2 2): partial sums pushed to the leader
     "split2": dict(prefetch=1, splits=(2, 2)),
     "split4": dict(prefetch=1, splits=(4, 2)),
@@ -60,16 +96,8 @@ def test_w1_then_w2_match_models(n_tile, routing, variant):
     moe = MoESm90.from_weights(weights, cfg)
     layout = group_rows(ids, SMALL.num_experts, n_tile)
     acts = prepare_activations(x, w, layout, SMALL.top_k)
-    valid = layout.src_slot >= 0
     hq, hsT = w1(moe.w13, acts, layout, cfg)
-    eq, es = emulate_w1(unpack_sm90(moe.w13), acts, layout)
-    # power-of-two scales: equal, except that one whose amax lies at a 448 * 2^e boundary (within FP32 rounding of
-    # the two summation orders) may sit one binade off; the dequantised values below must match either way
-    ratio = hsT[:, valid] / es[:, valid]
-    assert ((ratio == 1) | (ratio == 2) | (ratio == 0.5)).all(), "activation scales off by more than a binade"
-    assert int((ratio != 1).sum()) <= 2, f"{int((ratio != 1).sum())} activation scales one binade off"
-    d = calc_diff(_dequant_rows(hq, hsT)[valid], _dequant_rows(eq, es)[valid])
-    assert d < 1e-3, d
+    _assert_w1_matches_model(hq, hsT, *emulate_w1(unpack_sm90(moe.w13), acts, layout), layout.src_slot >= 0)
     out = torch.full((ids.numel(), SMALL.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
     w2(moe.w2, hq, hsT, layout, out, cfg)
     ref = emulate_w2(unpack_sm90(moe.w2), hq, hsT, layout, torch.full_like(out, float("nan")))
@@ -84,14 +112,14 @@ def test_layer_vs_reference_on_model_shapes(model, tokens):
     cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=512)
     weights = make_weights(cfg, seed=tokens, device="cuda")
     x, ids, w = make_tokens(cfg, tokens, seed=tokens, device="cuda")
-    y = MoESm90.from_weights(weights).forward(x, ids, w)
+    y = sm90_layer(MoESm90.from_weights(weights), x, ids, w)
     ref = moe_reference(x, ids, w, weights.exact_bf16(), quant="fp8_mxfp4")
     assert calc_diff(y, ref) < 1e-3
 
 
 def test_cosine_vs_bf16_path():
     x, ids, w, weights, floats = make_problem(Case(SMALL, 64, "uniform", seed=5), device="cuda")
-    y = MoESm90.from_weights(weights).forward(x, ids, w)
+    y = sm90_layer(MoESm90.from_weights(weights), x, ids, w)
     yb = moe_reference(x, ids, w, MoEWeights.from_float(*floats, quant="bf16").to("cuda"))
     assert cosine(y, yb) >= 0.97
 
@@ -101,7 +129,7 @@ def test_graph_replays_bitwise_identical_with_new_routing(splits):
     x, ids, w, weights, _ = make_problem(Case(SMALL, 16, "uniform", seed=9), device="cuda")
     prefetch = 2 if splits == (1, 1) else 1  # SMALL's W2 has 2 windows: 2 splits x 1
     moe = MoESm90.from_weights(weights, Sm90Config(n_tile=16, stages=3, prefetch=prefetch, splits=splits))
-    g, y = capture_graph(lambda: moe.forward(x, ids, w), warmup=2)
+    g, y = capture_graph(lambda: sm90_layer(moe, x, ids, w), warmup=2)
     for seed in range(3):
         nx, nids, nw, _, _ = make_problem(Case(SMALL, 16, ("uniform", "one_expert", "half_empty")[seed], 50 + seed))
         x.copy_(nx), ids.copy_(nids), w.copy_(nw)
@@ -116,40 +144,179 @@ def test_graph_replays_bitwise_identical_with_new_routing(splits):
         assert first_mismatch(y, first) == ""
 
 
-def test_trace_leaves_outputs_bitwise_equal_and_stamps_every_cta():
-    """cfg.trace changes no output bit and stamps every CTA; grid row y ran the y-th expert with rows (CTAs of empty
-    experts last)."""
-    from dataclasses import replace
+# ------------------------------------------------------------------------------------------------ ring mode
+# Hand-made rows as gcmoe-comm's dispatch leaves them on the ring: expert offsets padded to the ring block of 8 rows
+# (Sm90Config.ring_bm), not to the N tile, so activation boxes start inside another expert's tile grid
+RING = MoEConfig(
+    hidden_size=512, intermediate_size=256, num_experts=4, top_k=2, num_shared_experts=0, max_tokens_per_rank=64
+)
+RING_COUNTS = (3, 9, 0, 20)
+RING_BM = 8
+# the signal words (each on its own 128-byte line, as in a workspace): INUSE, CGEN, OFFS, ERR (5 words), L1_FULL
+SIG_INUSE, SIG_CGEN, SIG_OFFS, SIG_ERR, SIG_L1_FULL = 0, 32, 64, 96, 128
+TICKET = 7
+TIMEOUT_MS = 100
+RING_VARIANTS = {
+    "n16": Sm90Config(n_tile=16, stages=3, prefetch=2),
+    "n8-global-scales": Sm90Config(n_tile=8, stages=3, prefetch=2, smem_scales=False),
+    "n16-split2": Sm90Config(n_tile=16, stages=3, prefetch=1, splits=(2, 2)),
+    "n32-4wg": Sm90Config(n_tile=32, stages=3, prefetch=2, warpgroups=4),
+}
 
-    from gcmoe_gemm_sm90.ops import trace_shape
 
-    cfg = Sm90Config(n_tile=16, stages=3, prefetch=2)
-    routed = SMALL.replace(num_shared_experts=0)
-    x, ids, w, weights, _ = make_problem(Case(routed, 37, "half_empty", seed=3), device="cuda")
+def ring_rows(seed: int) -> tuple[RowLayout, Activations]:
+    """Fresh random rows for RING_COUNTS with offsets padded to RING_BM; every valid row goes to a distinct output
+    slot (a random permutation); padding rows hold random data too (never stored)."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = [0, *accumulate(-(-c // RING_BM) * RING_BM for c in RING_COUNTS)]
+    rows, slots = offsets[-1], sum(RING_COUNTS)
+    valid = torch.zeros(rows, dtype=torch.bool)
+    for e, c in enumerate(RING_COUNTS):
+        valid[offsets[e] : offsets[e] + c] = True
+    src_slot = torch.full((rows,), -1, dtype=torch.int32)
+    src_slot[valid] = torch.randperm(slots, generator=g).to(torch.int32)
+    q, s = quantize_fp8_e4m3_1x128(torch.randn(rows, RING.hidden_size, generator=g))
+    route_w = torch.where(valid, torch.rand(rows, generator=g) + 0.1, torch.zeros(rows))
+    layout = RowLayout(
+        RING_BM,  # (no N tile: the rows are padded to ring blocks)
+        rows,
+        torch.tensor(offsets, dtype=torch.int32, device="cuda"),
+        torch.tensor(RING_COUNTS, dtype=torch.int32, device="cuda"),
+        src_slot.cuda(),
+    )
+    acts = Activations(q.view(torch.uint8).cuda(), s.t().contiguous().cuda(), route_w.cuda())
+    return layout, acts
+
+
+def ring_signals(layout: RowLayout) -> torch.Tensor:
+    """The words as dispatch leaves them for call 1: INUSE = the call's ticket, CGEN = 0, OFFS = 1, L1_FULL = 1 for
+    every ring block of the rows, ERR clear."""
+    sig = torch.zeros(SIG_L1_FULL + layout.rows // RING_BM, dtype=torch.int32, device="cuda")
+    sig[SIG_INUSE], sig[SIG_CGEN], sig[SIG_OFFS] = TICKET, 0, 1
+    sig[SIG_L1_FULL:] = 1
+    return sig
+
+
+def ring_sync(sig: torch.Tensor, timeout_ms: int = TIMEOUT_MS) -> RingSync:
+    a = lambda i: sig.data_ptr() + 4 * i
+    return RingSync(a(SIG_INUSE), a(SIG_CGEN), a(SIG_OFFS), a(SIG_ERR), a(SIG_L1_FULL), TICKET, timeout_ms * 10**6)
+
+
+class RingRun:
+    """W1 + W2 on the ring rows into poisoned outputs; the operands made once (the timed launch builds nothing)."""
+
+    def __init__(self, moe: MoESm90, layout: RowLayout, acts: Activations):
+        self.moe, self.layout, self.acts = moe, layout, acts
+        r = layout.rows
+        self.hq = torch.empty(r, moe.inter, dtype=torch.uint8, device="cuda")
+        self.hsT = torch.empty(2 * moe.inter // 256, r, device="cuda")
+        self.out = torch.empty(sum(RING_COUNTS), moe.hidden, dtype=torch.bfloat16, device="cuda")
+        self.src = torch.zeros(r, 3, dtype=torch.int32, device="cuda")  # every row to "rank 0": out
+        self.comb = torch.tensor([self.out.data_ptr()], dtype=torch.int64, device="cuda")
+        self.poison()
+
+    def poison(self) -> None:
+        for t in (self.hq, self.hsT, self.out):
+            poison_(t)
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.hq.clone(), self.hsT.clone(), self.out.clone()
+
+    def launch(self, cfg: Sm90Config, ring: RingSync | None) -> None:
+        m, a, lay = self.moe, self.acts, self.layout
+        launch_w1(m.w13, a.x_rows, a.sxT, a.route_w, lay.offsets, lay.counts, self.hq, self.hsT, cfg, ring)
+        launch_w2(m.w2, self.hq, self.hsT, lay.offsets, lay.counts, lay.src_slot, self.src, self.comb, cfg, ring)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """torch.equal on the bits (NaN poison compares equal to itself)."""
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
+
+
+def _ring_setup(seed: int, cfg: Sm90Config):
+    weights = make_weights(RING, seed=seed, device="cuda")
     moe = MoESm90.from_weights(weights, cfg)
-    layout = group_rows(ids, SMALL.num_experts, cfg.n_tile)
-    acts = prepare_activations(x, w, layout, SMALL.top_k)
-    outs = []
-    for c in (cfg, replace(cfg, trace=True)):
-        tr = [
-            torch.zeros(trace_shape(m, p, c), dtype=torch.int64, device="cuda")
-            for m, p in (("w1", moe.w13), ("w2", moe.w2))
-        ]
-        hq, hsT = w1(moe.w13, acts, layout, c, tr[0] if c.trace else None)
-        out = torch.full((ids.numel(), SMALL.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
-        w2(moe.w2, hq, hsT, layout, out, c, tr[1] if c.trace else None)
-        valid = layout.src_slot >= 0
-        outs.append((hq[valid], hsT[:, valid], out))
-    for a, b in zip(outs[0], outs[1], strict=True):
-        assert first_mismatch(a, b) == ""
-    cnt = layout.counts.cpu()
-    tiles_by_row = torch.cat([cnt[cnt > 0], cnt[cnt == 0]])  # grid row y: the y-th expert with rows
-    assert (cnt == 0).any(), "half_empty routing leaves experts empty"
-    for t, m_tiles in ((tr[0].cpu(), moe.w13.m // 256), (tr[1].cpu(), moe.w2.m // 256)):
-        assert (t[:, 0] > 0).all() and (t[:, 0] <= t[:, 1]).all() and (t[:, 1] <= t[:, 2]).all()
-        n_tiles = (t[:, 3] & 0xFFFFFFFF).view(-1, m_tiles)  # [expert, m tile]
-        assert (n_tiles == ((tiles_by_row + 15) // 16).unsqueeze(1)).all()
-        assert ((t[:, 3] >> 32) < torch.cuda.get_device_properties(0).multi_processor_count).all()
-    assert int(tr[1][:, 1].min()) >= int(tr[0][:, 2].max()) - 1000  # W2 past its wait only after W1's last CTA
-    with pytest.raises(ValueError, match="trace buffer"):
-        w1(moe.w13, acts, layout, replace(cfg, trace=True))
+    layout, acts = ring_rows(seed)
+    return moe, layout, acts, RingRun(moe, layout, acts)
+
+
+@pytest.mark.parametrize("variant", list(RING_VARIANTS))
+def test_ring_mode_equals_prepared_rows(variant):
+    """Ring mode with every signal published gives bit for bit what the launch on prepared rows gives (both against
+    the kernels' torch models), leaves the signal words as they were, and every valid row's output written."""
+    cfg = RING_VARIANTS[variant]
+    moe, layout, acts, run = _ring_setup(11, cfg)
+    run.launch(cfg, None)
+    plain = run.outputs()
+    sig = ring_signals(layout)
+    before = sig.clone()
+    run.poison()
+    run.launch(replace(cfg, ring=True), ring_sync(sig))
+    torch.cuda.synchronize()
+    ringed = run.outputs()
+    for name, a, b in zip(("hq", "hsT", "out"), plain, ringed, strict=True):
+        assert _bits_equal(a, b), f"{name}: {first_mismatch(a, b)}"
+    assert torch.equal(sig, before), "ring mode wrote a signal word (ERR?)"
+    hq, hsT, out = ringed
+    valid = layout.src_slot >= 0
+    _assert_w1_matches_model(hq, hsT, *emulate_w1(unpack_sm90(moe.w13), acts, layout), valid)
+    ref = emulate_w2(unpack_sm90(moe.w2), hq, hsT, layout, torch.full_like(out, float("nan")))
+    assert not out.isnan().any(), "unwritten output rows"
+    assert calc_diff(out, ref) < 1e-3
+
+
+def test_ring_mode_stores_nothing_once_err_is_set():
+    """A call whose ERR word is already set (another kernel's wait failed) writes no output and no ERR word, and
+    returns at once (no wait runs to its bound)."""
+    cfg = replace(RING_VARIANTS["n16"], ring=True)
+    _, layout, _, run = _ring_setup(12, cfg)
+    warm = ring_signals(layout)
+    run.launch(cfg, ring_sync(warm))  # compiled and loaded outside the timed launch
+    torch.cuda.synchronize()
+    sig = ring_signals(layout)
+    sig[SIG_ERR : SIG_ERR + 5] = torch.tensor([ERR_FAILED, KIND_RECV, 1, 1, 0], dtype=torch.int32)
+    before = sig.clone()
+    run.poison()
+    poisoned = run.outputs()
+    t0 = time.perf_counter()
+    run.launch(cfg, ring_sync(sig, timeout_ms=1000))
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    for name, a, b in zip(("hq", "hsT", "out"), poisoned, run.outputs(), strict=True):
+        assert _bits_equal(a, b), f"{name} written with ERR set: {first_mismatch(a, b)}"
+    assert torch.equal(sig, before), f"ERR words changed: {sig[SIG_ERR : SIG_ERR + 5].tolist()}"
+    assert dt < 0.5, f"{dt:.3f} s with ERR set: a wait ran instead of returning at once"
+
+
+@pytest.mark.parametrize("missing", ["offs", "block"])
+def test_ring_wait_is_bounded_and_recorded(missing):
+    """offs: OFFS never reaches CGEN + 1 = 1 -> every CTA gives up within the bound (RingSync.timeout_ns), the first
+    records (1, KIND_OFFS, 0, generation 1, seen 0), nothing is written. block: the last ring block of expert 3 never
+    gets its L1_FULL tag -> (1, KIND_BLOCK, block 5, 1, 0), and W2 stores nothing (W1's scratch rows may be written).
+    The whole call returns within 2x the bound."""
+    cfg = replace(RING_VARIANTS["n16"], ring=True)
+    _, layout, _, run = _ring_setup(13, cfg)
+    warm = ring_signals(layout)
+    run.launch(cfg, ring_sync(warm))  # compiled and loaded outside the timed launch
+    torch.cuda.synchronize()
+    sig = ring_signals(layout)
+    block = layout.rows // RING_BM - 1  # expert 3's rows 24..43 lie in blocks 3..5
+    if missing == "offs":
+        sig[SIG_OFFS] = 0
+    else:
+        sig[SIG_L1_FULL + block] = 0
+    run.poison()
+    poisoned = run.outputs()
+    t0 = time.perf_counter()
+    run.launch(cfg, ring_sync(sig, TIMEOUT_MS))
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    bound = TIMEOUT_MS / 1e3
+    assert 0.9 * bound <= dt < 2 * bound, f"{dt * 1e3:.1f} ms for a wait bounded by {TIMEOUT_MS} ms"
+    kind, who = (KIND_OFFS, 0) if missing == "offs" else (KIND_BLOCK, block)
+    assert sig[SIG_ERR : SIG_ERR + 5].tolist() == [ERR_FAILED, kind, who, 1, 0]
+    checked = ("hq", "hsT", "out") if missing == "offs" else ("out",)
+    for name, a, b in zip(("hq", "hsT", "out"), poisoned, run.outputs(), strict=True):
+        if name in checked:
+            assert _bits_equal(a, b), f"{name} written after a failed wait: {first_mismatch(a, b)}"

@@ -1,16 +1,19 @@
 """sm90 prepack: exact inverse, the kernel's decode replayed from the prepacked bytes, windowed-scale accounting,
-and the layer pipeline with torch models of the kernels against the reference (CPU)."""
+the pipeline on prepared rows with torch models of the kernels against the reference, configuration checks and the
+launches' argument checks (CPU)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.formats import quantize_mxfp4, random_mxfp4
-from gcmoe_core.grouping import group_rows
+from gcmoe_core.grouping import group_rows, grouped_forward
 from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import Case, make_problem
 from gcmoe_gemm_sm90.config import Sm90Config, can_implement, choose_config
-from gcmoe_gemm_sm90.ops import MoESm90, trace_shape
+from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2
 from gcmoe_gemm_sm90.prepack import decode_prepacked_reference, effective_weights_sm90, prepack_sm90, unpack_sm90
 
 
@@ -54,9 +57,20 @@ def test_layer_pipeline_with_kernel_models_equals_reference(routing):
         hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, num_shared_experts=1, max_tokens_per_rank=64
     )
     x, ids, w, weights, _ = make_problem(Case(cfg, 13, routing, seed=3))
-    assert torch.equal(
-        MoESm90.from_weights(weights).forward(x, ids, w, emulate=True), moe_reference(x, ids, w, weights)
+    moe = MoESm90.from_weights(weights)
+    w13, w2 = unpack_sm90(moe.w13), unpack_sm90(moe.w2)
+    y = grouped_forward(
+        x,
+        ids,
+        w,
+        moe.num_routed,
+        moe.num_shared,
+        moe.config_for(*ids.shape).n_tile,
+        moe.hidden,
+        lambda acts, lay: emulate_w1(w13, acts, lay),
+        lambda hq, hs, lay, out: emulate_w2(w2, hq, hs, lay, out),
     )
+    assert torch.equal(y, moe_reference(x, ids, w, weights))
 
 
 def test_can_implement_and_config_choice():
@@ -80,6 +94,12 @@ def test_can_implement_and_config_choice():
         Sm90Config(n_tile=20)
     with pytest.raises(ValueError, match="warpgroups"):
         Sm90Config(n_tile=64, warpgroups=4, occupancy=2)
+    with pytest.raises(ValueError, match="occupancy"):  # three CTAs per SM: measured slower, removed
+        Sm90Config(occupancy=3)
+    with pytest.raises(ValueError, match="prefetch"):
+        Sm90Config(prefetch=3)
+    with pytest.raises(ValueError, match="ring_bm"):  # ring blocks: the grain of the L1_FULL tags, rows of 8
+        Sm90Config(ring=True, ring_bm=12)
 
 
 def test_k_splits_stages_and_shared_memory():
@@ -100,34 +120,101 @@ def test_k_splits_stages_and_shared_memory():
     assert choose_config(9, 4, 16, 512, 384).prefetch == 1  # 3 windows of W2: one window per loop step
     with pytest.raises(ValueError, match="splits"):
         Sm90Config(splits=(3, 1))
-    with pytest.raises(ValueError, match="tma_weights"):
-        Sm90Config(tma_weights=False, splits=(2, 1))
 
 
-def test_launch_refuses_a_config_the_kernel_cannot_run(monkeypatch):
-    """A K split (or unroll) that does not divide the windows would silently skip some: the variant is refused when
-    it is compiled, before any launch. So is a trace buffer that does not match cfg.trace or the grid."""
+SMALL = MoEConfig(
+    hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, num_shared_experts=0, max_tokens_per_rank=64
+)
+
+
+class Launched(Exception):
+    """Raised in place of the compile + launch: the call got past every argument check."""
+
+
+def test_launch_argument_checks_raise_before_any_launch(monkeypatch):
+    """launch_w1 / launch_w2 / w2 refuse wrong operands in Python, before the kernel is compiled or launched (here:
+    no GPU; the compile step is replaced by a sentinel that a well-formed call reaches); a K split that does not
+    divide the windows is refused by can_implement when the variant is compiled, before any launch."""
     monkeypatch.setenv("GCMOE_ARCH", "sm_90a")  # (no GPU here: the arch the launch would compile for)
+    import gcmoe_gemm_sm90.kernel_grouped as kg
     from gcmoe_core.grouping import prepare_activations
-    from gcmoe_gemm_sm90.ops import w1
+    from gcmoe_gemm_sm90.ops import RingSync, launch_w1, launch_w2, w1, w2
 
-    cfg = MoEConfig(
-        hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, num_shared_experts=0, max_tokens_per_rank=64
-    )
-    x, ids, w, weights, _ = make_problem(Case(cfg, 5, "uniform", seed=1))
+    x, ids, w, weights, _ = make_problem(Case(SMALL, 5, "uniform", seed=1))
     moe = MoESm90.from_weights(weights)
-    layout = group_rows(ids, cfg.num_experts, 8)
-    acts = prepare_activations(x, w, layout, cfg.top_k)
-    with pytest.raises(ValueError, match="K splits"):  # W1: K = 512 is 4 windows, not a multiple of 2 x 4
-        w1(moe.w13, acts, layout, Sm90Config(n_tile=8, prefetch=2, splits=(4, 1)))
-    traced = Sm90Config(n_tile=8, prefetch=2, trace=True)
-    with pytest.raises(ValueError, match="trace buffer"):  # cfg.trace without a buffer, a buffer without cfg.trace
-        w1(moe.w13, acts, layout, traced)
-    with pytest.raises(ValueError, match="trace buffer"):
-        w1(moe.w13, acts, layout, Sm90Config(n_tile=8, prefetch=2), torch.zeros(16, 4, dtype=torch.int64))
-    assert trace_shape("w1", moe.w13, traced) == (2 * 8, 4)  # W13: 2 x 256 rows = 2 M tiles, 8 experts, 1 split
-    with pytest.raises(ValueError, match="trace must be int64"):
-        w1(moe.w13, acts, layout, traced, torch.zeros(15, 4, dtype=torch.int64))
+    cfg = Sm90Config(n_tile=8, prefetch=2)
+    lay = group_rows(ids, SMALL.num_experts, cfg.n_tile)
+    acts = prepare_activations(x, w, lay, SMALL.top_k)
+    r, i, h = lay.rows, SMALL.intermediate_size, SMALL.hidden_size
+    hq = torch.zeros(r, i, dtype=torch.uint8)
+    hsT = torch.zeros(2 * i // 256, r)
+    dst, src = lay.src_slot, torch.zeros(r, 3, dtype=torch.int32)
+    comb = torch.zeros(1, dtype=torch.int64)
+    ring = RingSync(0, 4, 8, 12, 32, ticket=1, timeout_ns=10**8)
+
+    def run_w1(**kw):
+        a = dict(x_rows=acts.x_rows, sxT=acts.sxT, route_w=acts.route_w, offsets=lay.offsets, counts=lay.counts)
+        a.update(hq=hq, hsT=hsT, cfg=cfg, ring=None)
+        a.update(kw)
+        launch_w1(moe.w13, **a)
+
+    def run_w2(**kw):
+        a = dict(hq=hq, hsT=hsT, offsets=lay.offsets, counts=lay.counts, dst=dst, src=src, comb=comb, cfg=cfg)
+        a.update(ring=None)
+        a.update(kw)
+        launch_w2(moe.w2, **a)
+
+    # K = 512 is 4 windows of W1, not a multiple of 4 splits x prefetch 2: refused by the real compile step
+    with pytest.raises(ValueError, match="K splits"):
+        run_w1(cfg=Sm90Config(n_tile=8, prefetch=2, splits=(4, 1)))
+
+    def not_compiled(*args, **kwargs):
+        raise Launched(args[0])
+
+    monkeypatch.setattr(kg, "compiled", not_compiled)
+    w1_cases = {
+        "hq / hsT must be": [
+            dict(hq=hq[:, :128]),
+            dict(hq=hq.view(torch.int8)),
+            dict(hsT=hsT[:, :-8]),
+        ],
+        "row layout": [dict(counts=lay.counts[:-1]), dict(offsets=lay.offsets[:-1])],
+        "activation rows": [dict(x_rows=acts.x_rows.view(torch.float8_e4m3fn)), dict(x_rows=acts.x_rows[:, :256])],
+        "RingSync goes with cfg.ring": [dict(ring=ring), dict(cfg=replace(cfg, ring=True))],
+    }
+    for match, cases in w1_cases.items():
+        for kw in cases:
+            with pytest.raises(ValueError, match=match):
+                run_w1(**kw)
+    w2_cases = {
+        "src int32": [
+            dict(src=torch.zeros(r, 2, dtype=torch.int32)),
+            dict(comb=comb.to(torch.int32)),
+            dict(dst=dst.long()),
+        ],
+        "row layout": [dict(counts=lay.counts[:-1])],
+        "activation rows": [dict(hq=torch.zeros(r, 2 * i, dtype=torch.uint8))],  # W2's K is I, not 2 I
+        "RingSync goes with cfg.ring": [dict(ring=ring), dict(cfg=replace(cfg, ring=True))],
+    }
+    for match, cases in w2_cases.items():
+        for kw in cases:
+            with pytest.raises(ValueError, match=match):
+                run_w2(**kw)
+    out = torch.zeros(ids.numel(), h, dtype=torch.bfloat16)
+    for bad in (out.float(), torch.zeros(h, ids.numel(), dtype=torch.bfloat16).t()):
+        with pytest.raises(ValueError, match="out must be contiguous bf16"):
+            w2(moe.w2, hq, hsT, lay, bad, cfg)
+    # well-formed calls get past every check (to the compile step), ring mode with its RingSync too
+    for call in (
+        lambda: run_w1(),
+        lambda: run_w2(),
+        lambda: run_w1(cfg=replace(cfg, ring=True), ring=ring),
+        lambda: run_w2(cfg=replace(cfg, ring=True), ring=ring),
+        lambda: w1(moe.w13, acts, lay, cfg),
+        lambda: w2(moe.w2, hq, hsT, lay, out, cfg),
+    ):
+        with pytest.raises(Launched):
+            call()
 
 
 def test_bench_variants_are_valid_configs():
@@ -146,25 +233,3 @@ def test_bench_variants_are_valid_configs():
                 assert can_implement(m, k, 32, cfg, splits=sp) is None, (name, tokens, cfg)
     with pytest.raises(ValueError, match="unknown variant"):
         variant_config("n12", choose_config(8, 8, 32), 7168, 2048)
-
-
-def test_timeline_summary_reads_the_trace_stamps():
-    """The benchmark's timeline arithmetic on hand-made traces: µs from W1's first start, ends and waits over the CTAs
-    that had work, the events' time outside the kernels."""
-    from gcmoe_gemm_sm90.bench import _timeline_summary
-
-    ns = lambda us: int(us * 1000) + 10**12  # %globaltimer-like absolute stamps
-    work = lambda n, sm: (sm << 32) | n
-    tr1 = torch.tensor(
-        [[ns(0), ns(0), ns(20), work(1, 0)], [ns(1), ns(1), ns(30), work(2, 1)], [ns(2), ns(2), ns(2.5), work(0, 2)]]
-    )
-    tr2 = torch.tensor([[ns(25), ns(31), ns(40), work(1, 0)], [ns(31), ns(33), ns(45), work(1, 3)]])
-    s = _timeline_summary(tr1, tr2, 50.0)
-    assert (s["w1_last_start"], s["w1_first_end"], s["w1_last_end"]) == (2.0, 20.0, 30.0)  # the idle CTA ends first
-    assert (s["w2_first_start"], s["w2_first_go"], s["w2_last_go"], s["w2_last_end"]) == (25.0, 31.0, 33.0, 45.0)
-    assert (s["w1_cta_median_us"], s["w2_cta_median_us"], s["outside_us"]) == (
-        20.0,
-        9.0,
-        5.0,
-    )  # (torch.median: the lower middle)
-    assert s["ctas_with_work"] == [2, 2] and s["stamp_step_ns"] == 500

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from gcmoe_greenctx import (
-    GreenContextError,
     LayerGraph,
     LayerGraphCache,
     RoleNodes,
@@ -37,10 +36,21 @@ def test_partition_sizes(part):
     assert part.comm_sms + part.compute_sms == f.sm_count
 
 
-def test_split_once_per_device(part):
+def test_one_split_per_size_and_more_stream_pairs(part):
+    """The same size returns the same split; another size coexists; new_streams gives streams confined to the same
+    two partitions (%smid of CTAs launched on them)."""
     assert split_device(16) is part
-    with pytest.raises(GreenContextError, match="already split"):
-        split_device(32)
+    other = split_device(32)
+    assert other is not part and other.comm_sms == 32 and split_device(32) is other
+    comm, compute = part.new_streams()
+    assert comm.cuda_stream not in (part.comm_stream.cuda_stream, part.compute_stream.cuda_stream)
+    a, b = _smids(comm, 4 * part.comm_sms), _smids(compute, 4 * part.compute_sms)
+    torch.cuda.synchronize()
+    ref_b = _smids(part.compute_stream, 4 * part.compute_sms)
+    torch.cuda.synchronize()
+    sa, sb = set(a.tolist()), set(b.tolist())
+    assert not sa & sb and not sa & set(ref_b.tolist()), "new stream pair: comm and compute SMs overlap"
+    assert len(sa) <= part.comm_sms and len(sb) <= part.compute_sms
 
 
 def test_too_many_sms_is_a_clear_error(part):

@@ -43,10 +43,21 @@ def test_functional_form_and_cosine_vs_bf16():
 def test_custom_op_passes_opcheck():
     x, ids, w, _, floats = make_problem(Case(CFG, 4, seed=14))
     packed = gcmoe.prepack(CFG, MoEWeights.from_float(*floats))
-    torch.library.opcheck(
-        torch.ops.gcmoe.moe_forward.default,
-        (x, ids, w, list(packed.tensors), "reference", CFG.quant, CFG.num_experts, True),
-    )
+    torch.library.opcheck(torch.ops.gcmoe.moe_forward.default, (x, ids, w, list(packed.tensors), packed.handle, True))
+    y = torch.ops.gcmoe.moe_forward(x, ids, w, list(packed.tensors), packed.handle, True)
+    assert torch.equal(y, gcmoe.moe(x, ids, w, packed))
+
+
+def test_op_handle_dies_with_its_layer():
+    import gc
+
+    x, ids, w, _, floats = make_problem(Case(CFG, 3, seed=19))
+    packed = gcmoe.prepack(CFG, MoEWeights.from_float(*floats))
+    handle, tensors = packed.handle, list(packed.tensors)
+    del packed
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"layer handle {handle} is not live"):
+        torch.ops.gcmoe.moe_forward(x, ids, w, tensors, handle, True)
 
 
 def test_torch_compile_fullgraph():
@@ -63,15 +74,16 @@ def test_bad_arguments_raise_before_any_launch(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the backend ran on bad input")
 
-    monkeypatch.setattr(backends.ReferenceBackend, "forward", staticmethod(boom))
+    monkeypatch.setattr(backends.reference.ReferencePlan, "forward", boom)
     bad = ids.clone()
     bad[0, 0] = 99
-    with pytest.raises(ValueError, match=r"topk_ids: holds expert id 99, out of range \[0, 8\)"):
-        layer(x, bad, w)
     with pytest.raises(ValueError, match="x: dtype"):
         layer(x.float(), ids, w)
     with pytest.raises(ValueError, match="T = 40 tokens exceeds max_tokens_per_rank = 32"):
         layer(x.repeat(10, 1), ids.repeat(10, 1), w.repeat(10, 1))
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"topk_ids: holds expert id 99, out of range \[0, 8\)"):
+        layer(x, bad, w)
 
 
 def test_value_checks_can_be_disabled(monkeypatch):
@@ -106,8 +118,8 @@ def test_backend_choice_and_errors(monkeypatch):
 
 
 def test_layer_level_errors():
-    with pytest.raises(ValueError, match="ep_size: P = 8 > 1 needs the gcmoe-comm"):
-        gcmoe.MoELayer(MoEConfig.from_model("deepseek-v3", ep_size=8))
+    with pytest.raises(gcmoe.BackendUnavailable, match="reference.*ep_size = 1"):
+        gcmoe.MoELayer(MoEConfig.from_model("deepseek-v3", ep_size=8), backend="reference")
     layer = gcmoe.MoELayer(CFG)
     x, ids, w, weights, floats = make_problem(Case(CFG, 2, seed=18))
     with pytest.raises(RuntimeError, match="no weights loaded"):

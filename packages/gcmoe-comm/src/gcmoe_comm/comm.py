@@ -1,26 +1,44 @@
 """Host side of one rank's comm kernels: argument checks, the launches, and the workspace they share.
 
     rank = CommRank(ws, dispatch_ctas=16)           # ws: Workspace.virtual(...)[r] or Workspace.symmetric(...)
-    rank.publish(x, topk_ids, topk_weights)         # one kernel: quantise + publish this rank's tokens, READY tag
+    rank.load()                                     # compile + load every kernel now (before any cross-rank wait)
+    rank.publish(x, topk_ids, topk_weights)         # one kernel: take the workspace, quantise + publish, READY
     rank.dispatch()                                 # role1: pull routed tokens into this rank's ring
     ... W1 / W2 on ws.views.ring_* (W2 scatters into the source ranks' ws.views.combine) ...
-    rank.combined()                                 # tell every rank my rows for it landed
-    rank.finalize(out, shared_rows)                 # role3: wait for every rank, y = slot-order sum
+    rank.finalize(out, shared_rows)                 # role3: tell every rank my rows landed, wait for every rank,
+                                                    # y = slot-order sum; frees the workspace
     rank.ws.check()                                 # raises CommError if any bounded wait expired (host sync)
 
-Every step enqueues on the current stream (capturable: no host sync, no allocation in dispatch/combined/finalize).
+Every step enqueues on the current stream (capturable: no host sync, no allocation in dispatch/finalize).
 The bound on each wait is timeout_ms (GCMOE_COMM_TIMEOUT_MS by default).
+
+Tickets: every call takes the workspace under a ticket (a process-wide unique int the publish and finalize of one
+call share; a captured call keeps its ticket in every replay — CUDA never runs two launches of one graph at once).
+A call that finds the workspace held by another ticket fails loudly (CommError, kind BUSY) instead of corrupting it.
+
+The slot path (`publish_slots`): publish reads its arguments from host slot SEQ mod NSLOTS of a pinned int64 ring
+[NSLOTS, 8] (x, ids, weights, out pointers, T, ids-are-int64) and finalize reads the output pointer and T from the
+workspace, so one captured graph serves every eager call with new tensors (gcmoe's sm90 backend fills the slots).
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from gcmoe_core import env
+from gcmoe_core.signals import ERR_WARMUP
 
-from .workspace import Workspace
+from .workspace import SIG_ERR, Workspace
 
 MAX_DISPATCH_SMEM = 200 * 1024
+_TICKETS = itertools.count(1)
+
+
+def new_ticket() -> int:
+    """A process-wide unique, non-zero 31-bit ticket."""
+    return next(_TICKETS) % (2**31 - 1) + 1
 
 
 class CommRank:
@@ -49,15 +67,16 @@ class CommRank:
         self.timeout_ns = int(ms * 1e6)
         self._kernels = None
         self._ntok = 0
+        self._ticket = 0
         self._keep: tuple = ()  # the last publish's (possibly converted) inputs, alive while its launch reads them
 
     @staticmethod
     def validate_spec(spec) -> None:
-        ids_bytes = spec.ranks * spec.max_tokens * spec.top_k * 2 + spec.ranks * spec.local_experts * 4
+        ids_bytes = spec.ranks * spec.max_tokens * spec.slots * 2 + spec.ranks * spec.ring_experts * 4
         if ids_bytes > MAX_DISPATCH_SMEM:
             raise ValueError(
-                f"CommRank: dispatch keeps every rank's routing in shared memory: P * T_max * k * 2 + E * 4 = "
-                f"{ids_bytes} bytes > {MAX_DISPATCH_SMEM}; lower max_tokens_per_rank"
+                f"CommRank: dispatch keeps every rank's routing in shared memory: P * T_max * (k + S) * 2 + "
+                f"P * (E/P + S) * 4 = {ids_bytes} bytes > {MAX_DISPATCH_SMEM}; lower max_tokens_per_rank"
             )
 
     @property
@@ -74,6 +93,7 @@ class CommRank:
             self._peer_args = tuple(i64(p) for p in self.ws.peers)
             self._base_arg = i64(self.ws.base)
             self._timeout_arg = i64(self.timeout_ns)
+            self._zero = i64(0)
             self._sms = torch.cuda.get_device_properties(self.ws.buf.device).multi_processor_count
         return self._kernels
 
@@ -82,11 +102,36 @@ class CommRank:
 
         return cuda.CUstream(torch.cuda.current_stream(self.ws.buf.device).cuda_stream)
 
-    def publish(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        """One kernel: quantise x (FP8 1x128, bit-exact with gcmoe_core.formats) into this rank's published
-        buffers, copy the routing, and tag READY = g once every CTA is done. topk_ids are global expert ids in
-        [0, E) (the layer checks them): an id outside every rank's range is dropped by every dispatch, and that
-        slot's combine row is then never written."""
+    def load(self) -> None:
+        """Compile every kernel and load its module on this device now, by launching each once with the workspace's
+        ERR word set to WARMUP (each kernel then returns at once; nothing crosses ranks), then clear ERR. Call it
+        before the first cross-rank wait (the layer does, before its rendezvous): a rank still loading kernels
+        when its peers already wait would look dead to them."""
+        k, z = self.kernels, self._zero
+        err = self.ws.views.signals[SIG_ERR : SIG_ERR + 1]
+        stream = torch.cuda.current_stream(self.ws.buf.device)  # the workspace's user (no other stream uses it yet)
+        stream.synchronize()
+        err.fill_(ERR_WARMUP)
+        k["ready"](self._base_arg, 0, self._stream())
+        k["publish"](self._base_arg, z, z, z, z, z, z, 0, 0, 1, 1, self._stream())
+        k["dispatch"](self._peer_args, self.ws.rank, self._timeout_arg, self._stream())
+        k["finalize"](self._peer_args, self.ws.rank, z, 0, z, self._timeout_arg, 1, z, self._stream())
+        err.zero_()
+        stream.synchronize()
+
+    def publish_ctas(self, tokens: int) -> int:
+        """Publish CTAs for T tokens: a warp per 128-value group, grid-stride, at most 8 per SM."""
+        s = self.ws.spec
+        self.kernels  # noqa: B018  (reads the SM count)
+        return max(1, min(-(-tokens * (s.hidden // 128) // 8), 8 * self._sms))
+
+    def publish(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ticket: int | None = None
+    ) -> None:
+        """One kernel: take the workspace under `ticket` (default: a new one), quantise x (FP8 1x128, bit-exact
+        with gcmoe_core.formats) into this rank's published buffers, check and copy the routing (plus the shared
+        slots), and tag READY = g once every CTA is done. An id outside [0, E) is recorded (Workspace.bad_input)
+        and dropped: its combine row is never written."""
         s = self.ws.spec
         dev = self.ws.buf.device
         if x.dim() != 2 or x.shape[1] != s.hidden or x.dtype != torch.bfloat16:
@@ -106,14 +151,22 @@ class CommRank:
         for name, ten in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             if ten.device != dev:
                 raise ValueError(f"publish: {name} is on {ten.device}, the workspace on {dev}")
-        x = x.contiguous()
-        ids = topk_ids.to(torch.int32).contiguous()  # no copy when already int32 and contiguous
+        x, ids = x.contiguous(), topk_ids.contiguous()
         wts = topk_weights.to(torch.float32).contiguous()
-        k, i64 = self.kernels["publish"], self._i64
-        ctas = max(1, min(-(-t * (s.hidden // 128) // 8), 8 * self._sms))  # a warp per 128-value group, grid-stride
-        k(self._base_arg, i64(x.data_ptr()), i64(ids.data_ptr()), i64(wts.data_ptr()), t, ctas, self._stream())
+        k, i64, z = self.kernels["publish"], self._i64, self._zero
+        self._ticket = ticket or new_ticket()
+        ptrs = (i64(x.data_ptr()), i64(ids.data_ptr()), i64(wts.data_ptr()))
+        ids64 = int(ids.dtype == torch.int64)
+        k(self._base_arg, z, z, *ptrs, z, t, ids64, self._ticket, self.publish_ctas(t), self._stream())
         self._ntok = t
         self._keep = (x, ids, wts)  # the launch reads them asynchronously
+
+    def publish_slots(self, slots: int, status: int, ticket: int, ctas: int) -> None:
+        """The slot path's publish (see the module docstring): arguments from the pinned slot ring at `slots`,
+        the call's SEQ and BAD mirrored to the pinned int32 status words at `status` (0: none)."""
+        k, i64, z = self.kernels["publish"], self._i64, self._zero
+        self._ticket, self._ntok = ticket, -1
+        k(self._base_arg, i64(slots), i64(status), z, z, z, z, 0, 0, ticket, ctas, self._stream())
 
     def ready(self, ntok: int) -> None:
         """The READY kernel alone (generation + 1, NTOK = ntok): for callers that wrote the published buffers
@@ -127,20 +180,21 @@ class CommRank:
         k = self.kernels["dispatch"]
         k(self._peer_args, self.ws.rank, self._timeout_arg, self._stream())
 
-    def combined(self) -> None:
-        k = self.kernels["combined"]
-        k(self._peer_args, self.ws.rank, self._stream())
-
-    def finalize(self, out: torch.Tensor, shared_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """out[t] = bf16(fp32 sum of combine rows t*k .. t*k+k-1, then shared_rows[t, 0..S-1]) for this call's T."""
+    def finalize(
+        self, out: torch.Tensor | None = None, shared_rows: torch.Tensor | None = None, status: int = 0
+    ) -> torch.Tensor | None:
+        """Tell every rank my W2 rows for it landed (the W2 launch must precede this on the stream), wait for every
+        rank's, then out[t] = bf16(fp32 sum of combine rows t*(k+S) .. t*(k+S)+k+S-1, then shared_rows[t, 0..]) for
+        this call's T, and free the workspace. out=None (slot path): the output pointer and T published with READY."""
         s = self.ws.spec
         t = self._ntok
-        if out.shape != (t, s.hidden) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-            raise ValueError(
-                f"finalize: out must be contiguous bf16 [{t}, {s.hidden}], got {out.dtype} {tuple(out.shape)}"
-            )
-        if out.device != self.ws.buf.device:
-            raise ValueError(f"finalize: out is on {out.device}, the workspace on {self.ws.buf.device}")
+        if out is not None:
+            if t < 0 or out.shape != (t, s.hidden) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+                raise ValueError(
+                    f"finalize: out must be contiguous bf16 [{t}, {s.hidden}], got {out.dtype} {tuple(out.shape)}"
+                )
+            if out.device != self.ws.buf.device:
+                raise ValueError(f"finalize: out is on {out.device}, the workspace on {self.ws.buf.device}")
         if self.shared_rows:
             want = (t, self.shared_rows, s.hidden)
             if shared_rows is None or shared_rows.shape != want or shared_rows.dtype != torch.bfloat16:
@@ -148,11 +202,21 @@ class CommRank:
                 raise ValueError(f"finalize: shared_rows must be bf16 {want}, got {got}")
             if not shared_rows.is_contiguous():
                 raise ValueError("finalize: shared_rows must be contiguous")
-            shared_ptr = shared_rows.data_ptr()
-        else:
-            if shared_rows is not None:
-                raise ValueError("finalize: shared_rows given, but this CommRank was built with shared_rows=0")
-            shared_ptr = 0
-        k, i64 = self.kernels["finalize"], self._i64
-        k(self._base_arg, self.ws.rank, i64(out.data_ptr()), i64(shared_ptr), self._timeout_arg, self._stream())
+        elif shared_rows is not None:
+            raise ValueError("finalize: shared_rows given, but this CommRank was built with shared_rows=0")
+        k, i64, z = self.kernels["finalize"], self._i64, self._zero
+        shared_ptr = z if shared_rows is None else i64(shared_rows.data_ptr())
+        out_ptr = z if out is None else i64(out.data_ptr())
+        ntok = -1 if out is None else t
+        k(
+            self._peer_args,
+            self.ws.rank,
+            out_ptr,
+            ntok,
+            shared_ptr,
+            self._timeout_arg,
+            self._ticket,
+            i64(status),
+            self._stream(),
+        )
         return out

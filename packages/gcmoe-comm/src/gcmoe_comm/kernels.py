@@ -1,33 +1,48 @@
-"""The comm kernels (CuTe DSL, sm_90a and later): publish / ready, dispatch (role1), combined, finalize (role3).
+"""The comm kernels (CuTe DSL, sm_90a and later): publish / ready, dispatch (role1) and finalize (role3).
 
 One call on rank r (generation g = the call count since the last recover), each kernel a node of the layer graph:
 
-    publish    x -> FP8 + scales into pub_x/pub_sx, ids/weights into pub_ids/pub_w; the last CTA: g = ++GEN;
-               NTOK = T; release(sys) READY = g        (ready: the same signal alone, for buffers filled elsewhere)
+    publish    take the workspace (INUSE = ticket; a call finding another's ticket records ERR kind BUSY and does
+               nothing); x -> FP8 + scales into pub_x/pub_sx; routing into pub_ids/pub_w: the caller's k slots, each
+               id checked (outside [0, E): BAD recorded, id -1 = dropped by every dispatch, never dereferenced;
+               non-finite weight: BAD recorded, kept), then S shared slots (ids E .. E + S - 1, weight 1); the last
+               CTA: g = ++GEN; NTOK = T; OUT = the output pointer; release(sys) READY = g. Arguments come by value
+               or, on the slot path, from an argument block in device memory (the host copies each call's pointers
+               into it just before replaying the graph, so one captured graph serves every eager call; the last CTA
+               mirrors the calls consumed (SEQ) and BAD to the host's status words)
+               (ready: the READY signal alone, for buffers filled elsewhere)
     dispatch   C CTAs on the comm partition:
                  1. thread q < P acquires peer q's READY == g (bounded), reads its NTOK
-                 2. every CTA: peers' ids -> smem (local expert or -1), counts[q][e] by smem atomics
+                 2. every CTA: peers' ids -> smem (ring expert or -1: routed ids of this rank's experts, and the
+                    shared ids only from this rank's own tokens), counts[q][e] by smem atomics
                  3. per-expert totals, BM-padded exclusive scan -> ring offsets; cursor[q][e] = offset[e] + rows of
-                    ranks < q (the (expert, src rank, token, slot) order of gcmoe_core.multirank)
+                    ranks < q (the (expert, src rank, token, slot) order of gcmoe_core.multirank); CTA 0 writes
+                    offsets and counts, then release(gpu) OFFS = g — what W1 and W2 acquire before reading them
                  4. one warp per source rank ranks its entries 32 at a time (match.any + lanemask_lt): deterministic
                     row of every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA b mod C)
                  5. per owned block: one warp per row pulls x (16-byte loads from the peer), the scales (into the
                     transposed sxT), the routing weight, and writes src and dst (the source rank's combine row);
-                    padding rows get zeros, src = -1 and dst = the sink row; then
-                    release(gpu) L1_FULL[b] = g — the tag W1 acquires (no reset pass between calls)
-    [W1, W2]   the compute partition; W2 scatters row i to rank src[i,0]'s combine row src[i,1] * k + src[i,2]
-    combined   1 warp: for every rank q, atom.add.release.sys q.RECV[g & 1] += 1 (my rows for q landed)
-    finalize   F CTAs: acquire RECV[g & 1] == P (bounded); y[t] = bf16(sum_j combine[t k + j] (+ shared rows), fp32,
-               slot order = gcmoe_core.reference.combine_slots); the last CTA resets RECV[g & 1] for call g + 2
+                    padding rows get src = -1 and dst = the sink row (their payload is not written: the GEMMs never
+                    store a padding column); then release(gpu) L1_FULL[b] = g — the tag W1 acquires
+    [W1, W2]   the compute partition (gcmoe-gemm-sm90): W1 acquires OFFS and each block's L1_FULL; W2 scatters row i
+               to rank src[i,0]'s combine row src[i,1] * (k + S) + src[i,2] through the combine peer table
+    finalize   F CTAs: CTA 0 first tells every rank q its rows for q landed (atom.add.release.sys q.RECV[g & 1]; the
+               W2 launch before it on the stream has finished); then each CTA acquires RECV[g & 1] == P (bounded);
+               y[t] = bf16(sum_j combine[t (k+S) + j] (+ shared rows), fp32, slot order =
+               gcmoe_core.reference.combine_slots); the last CTA resets RECV[g & 1] for call g + 2, sets CGEN = g and
+               frees INUSE. A failed call (ERR set) writes NaN rows instead, so its output is never silently wrong.
 
-Why no trailing barrier: rank r publishes call g + 1 only after its finalize of call g saw every peer's `combined`,
-which each peer issues after its dispatch of call g finished reading r's published tokens; and a peer scatters
-into r's combine buffer for call g + 1 only after acquiring r's READY = g + 1. The receive counters alternate by
-parity, so the reset of one never races the next call's arrivals (gcmoe_comm.protocol_model checks all this).
+Why no trailing barrier: rank r publishes call g + 1 only after its finalize of call g saw every peer's combined
+signal, which each peer issues after its dispatch of call g finished reading r's published tokens (the peer's W1
+acquired every block its dispatch filled; its W2 and finalize follow in stream order); and a peer scatters into r's
+combine buffer for call g + 1 only after acquiring r's READY = g + 1. The receive counters alternate by parity, so
+the reset of one never races the next call's arrivals (gcmoe_comm.protocol_model checks all this).
 
-Every wait is bounded (timeout_ns, %globaltimer): on expiry the waiting thread records (kind, rank, generation,
-value seen) in the rank's ERR words and the kernel skips its work; every kernel starts by reading ERR and does
-nothing once it is set, so a failed call drains in one bound instead of hanging. Workspace.check() raises it.
+Every wait is bounded (timeout_ns, %globaltimer) and also ends when ERR is set: on expiry the waiting thread records
+(kind, rank, generation, value seen) in the rank's ERR words and the kernel skips its work; every kernel starts by
+reading ERR and does nothing once it is set, so a failed call drains in one bound instead of hanging.
+Workspace.check() raises it. While kernels are loaded (CommRank.load) the host sets ERR to WARMUP: each kernel
+launches once and returns at once.
 
 Peer addresses reach the kernels by value (a tuple of P Int64 kernel parameters, staged once into shared memory).
 """
@@ -37,14 +52,16 @@ from dataclasses import dataclass
 from functools import cache
 
 from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
-from gcmoe_core.kernel_helpers import bits_to_f32, cvt_bf16x2, cvt_e4m3x2, f32_to_bits, fp8_pow2_exponent
-
-from .device_ops import (
+from gcmoe_core.device_ops import (
     atom_add_u32,
+    atom_cas_u32,
     fence_gpu,
+    fence_scope,
     fence_sys,
+    ld_acquire_u32,
     ld_relaxed_u32,
     ld_u32,
+    ld_u64,
     ld_v4,
     record_error,
     st_release_u32,
@@ -52,16 +69,27 @@ from .device_ops import (
     st_v4,
     wait_until_eq,
 )
+from gcmoe_core.kernel_helpers import bits_to_f32, cvt_bf16x2, cvt_e4m3x2, f32_to_bits, fp8_pow2_exponent
+from gcmoe_core.signals import KIND_BUSY, KIND_READY, KIND_RECV
+
 from .ring import RingSpec
 from .workspace import (
+    BAD_ID,
+    BAD_WEIGHT,
+    SIG_BAD,
+    SIG_CGEN,
     SIG_DONE,
     SIG_ERR,
     SIG_GEN,
+    SIG_INUSE,
     SIG_L1_FULL,
     SIG_NTOK,
+    SIG_OFFS,
+    SIG_OUT,
     SIG_PUB_DONE,
     SIG_READY,
     SIG_RECV,
+    SIG_SEQ,
     WorkspaceLayout,
 )
 
@@ -73,7 +101,10 @@ from cutlass.memory import SmemAllocator  # noqa: E402
 Int16, Int32, Int64, Float32 = cutlass.Int16, cutlass.Int32, cutlass.Int64, cutlass.Float32
 THREADS = 256
 WARPS = THREADS // 32
-KIND_READY, KIND_RECV = 1, 2
+NSLOTS = 64  # the host's pinned staging slots of the argument block (slot path): in flight at once, at most
+SLOT_WORDS = 8  # int64 per argument block: x, ids, weights, out, T, ids are int64, -, -
+STATUS_WORDS = 16  # int32 host status: [0] SEQ done, [1:5] BAD of that call, [8:13] ERR
+ONE_F32 = 0x3F800000
 
 
 @dataclass(frozen=True)
@@ -83,44 +114,50 @@ class CommShape:
     spec: RingSpec
     dispatch_ctas: int
     finalize_ctas: int
-    shared_rows: int  # shared-expert rows added by finalize (0: none)
+    shared_rows: int  # shared-expert rows finalize adds from a separate tensor (0: none; the layer's ride the ring)
 
 
 class CommKernels:
-    """The four kernels for one CommShape; byte offsets of the workspace are compile-time constants."""
+    """The kernels for one CommShape; byte offsets of the workspace are compile-time constants."""
 
     def __init__(self, shape: CommShape):
         self.shape = shape
         s = shape.spec
         lay = WorkspaceLayout(s)
-        self.P, self.TM, self.K, self.EL, self.BM = s.ranks, s.max_tokens, s.top_k, s.local_experts, s.bm
+        self.P, self.TM, self.EL, self.BM = s.ranks, s.max_tokens, s.local_experts, s.bm
+        self.KR, self.SH, self.K = s.top_k, s.shared, s.slots  # routed slots, shared slots, published slots
+        self.REL, self.E = s.ring_experts, s.num_experts
         self.H, self.HS, self.CAP = s.hidden, s.hidden // 128, s.capacity
         self.C, self.F, self.S = shape.dispatch_ctas, shape.finalize_ctas, shape.shared_rows
         self.o = {k: v for k, v in lay.offsets.items()}
+        # the scope of the cross-rank signals: other GPUs (sys) for P > 1; one GPU's own workspace for P = 1
+        self.SCOPE = "sys" if s.ranks > 1 else "gpu"
         self.CHUNKS = s.hidden // 16  # 16-byte pieces of one FP8 token row
         self.LANE_CHUNKS = -(-self.CHUNKS // 32)
-        P, TM, K, EL = self.P, self.TM, self.K, self.EL
+        P, TM, K, REL = self.P, self.TM, self.K, self.REL
 
         @cute.struct
         class DispatchShared:
             peer: cute.struct.MemRange[Int64, P]
             ntok: cute.struct.MemRange[Int32, P]
             flag: cute.struct.MemRange[Int32, 4]
-            ids: cute.struct.MemRange[Int16, P * TM * K]  # local expert of each published (token, slot), or -1
-            cur: cute.struct.MemRange[Int32, P * EL]  # counts, then row cursors, per (src rank, local expert)
-            off: cute.struct.MemRange[Int32, EL + 1]
-            tot: cute.struct.MemRange[Int32, EL]
+            ids: cute.struct.MemRange[Int16, P * TM * K]  # ring expert of each published (token, slot), or -1
+            cur: cute.struct.MemRange[Int32, P * REL]  # counts, then row cursors, per (src rank, ring expert)
+            off: cute.struct.MemRange[Int32, REL + 1]
+            tot: cute.struct.MemRange[Int32, REL]
             scan: cute.struct.MemRange[Int32, WARPS]
 
         @cute.struct
-        class PeerShared:
-            peer: cute.struct.MemRange[Int64, P]
+        class PublishShared:
+            flag: cute.struct.MemRange[Int32, 4]
+            arg: cute.struct.MemRange[Int64, 4]
 
         @cute.struct
-        class FlagShared:
+        class FinalizeShared:
+            peer: cute.struct.MemRange[Int64, P]
             flag: cute.struct.MemRange[Int32, 4]
 
-        self.dispatch_shared, self.peer_shared, self.flag_shared = DispatchShared, PeerShared, FlagShared
+        self.dispatch_shared, self.publish_shared, self.finalize_shared = DispatchShared, PublishShared, FinalizeShared
 
     # ---------------------------------------------------------------- shared helpers
     @cute.jit
@@ -143,86 +180,191 @@ class CommKernels:
                 a, b, cc, d = vals[c]
                 st_v4(dst + Int64(idx) * 16, a, b, cc, d)
 
+    @cute.jit
+    def _record_bad(self, own: Int64, code: Int32, t: Int32, j: Int32, value: Int32):
+        """The first invalid routing entry of the call: code, token, slot, value."""
+        bad = own + SIG_BAD * 4
+        if atom_cas_u32(bad, 0, code, "gpu") == 0:
+            st_u32(bad + 4, t)
+            st_u32(bad + 8, j)
+            st_u32(bad + 12, value)
+
     # ---------------------------------------------------------------- ready / publish
     @cute.jit
-    def _signal_ready(self, own: Int64, ntok: Int32):
-        """One thread: g = ++GEN, NTOK = ntok, then release(sys) READY = g — unless an earlier wait failed."""
+    def _signal_ready(self, own: Int64, ntok: Int32, out: Int64):
+        """One thread: g = ++GEN, NTOK = ntok, OUT = out, then release(sys) READY = g — unless a wait failed."""
         if ld_u32(own + SIG_ERR * 4) == 0:
             g = ld_u32(own + SIG_GEN * 4) + 1
             st_u32(own + SIG_GEN * 4, g)
             st_u32(own + SIG_NTOK * 4, ntok)
-            fence_sys()
-            st_release_u32(own + SIG_READY * 4, g, "sys")
+            st_u32(own + SIG_OUT * 4, Int32(out & 0xFFFFFFFF))
+            st_u32(own + SIG_OUT * 4 + 4, Int32(out >> 32))
+            fence_scope(self.SCOPE)
+            st_release_u32(own + SIG_READY * 4, g, self.SCOPE)
 
     @cute.kernel
     def k_ready(self, own: Int64, ntok: Int32):
         tid, _, _ = cute.arch.thread_idx()
         if tid == 0:
-            self._signal_ready(own, ntok)
+            self._signal_ready(own, ntok, Int64(0))
 
     @cute.jit
     def ready(self, own: Int64, ntok: Int32, stream: cuda.CUstream):
         self.k_ready(own, ntok).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
     @cute.kernel
-    def k_publish(self, own: Int64, x: Int64, ids: Int64, wts: Int64, ntok: Int32):
+    def k_publish(
+        self,
+        own: Int64,
+        slots: Int64,
+        status: Int64,
+        x_arg: Int64,
+        ids_arg: Int64,
+        wts_arg: Int64,
+        out_arg: Int64,
+        ntok_arg: Int32,
+        ids64_arg: Int32,
+        ticket: Int32,
+    ):
         """x bf16 [T, H] -> pub_x (FP8 E4M3) + pub_sx (power-of-two scale per 128), bit-exact with
-        gcmoe_core.formats.quantize_fp8_e4m3_1x128 (a NaN or Inf in a group makes its scale and bytes NaN); ids int32
-        and weights fp32 [T, k] copied; the last CTA to finish signals READY."""
-        H, HS, K, o = self.H, self.HS, self.K, self.o
+        gcmoe_core.formats.quantize_fp8_e4m3_1x128 (a NaN or Inf in a group makes its scale and bytes NaN); the
+        routing checked and copied, the shared slots appended; the last CTA to finish signals READY. slots != 0:
+        the arguments come from the argument block at `slots` (device memory) instead of x_arg .. ids64_arg."""
+        H, HS, K, KR, o = self.H, self.HS, self.K, self.KR, self.o
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
         warp = tid // 32
         lane = tid % 32
-        for gi in cutlass.range(cta * WARPS + warp, ntok * HS, nctas * WARPS, unroll=1):
-            t = gi // HS
-            c = gi - t * HS
-            col = Int64(t) * H + c * 128 + lane * 4
-            w0 = ld_u32(x + col * 2)
-            w1 = ld_u32(x + col * 2 + 4)
-            v = (bits_to_f32(w0 << 16), bits_to_f32(w0 & -65536), bits_to_f32(w1 << 16), bits_to_f32(w1 & -65536))
-            m = cute.arch.fmax(
-                cute.arch.fmax(cute.math.absf(v[0]), cute.math.absf(v[1])),
-                cute.arch.fmax(cute.math.absf(v[2]), cute.math.absf(v[3])),
-            )
-            bad = (
-                (v[0] != v[0])
-                or (v[1] != v[1])
-                or (v[2] != v[2])
-                or (v[3] != v[3])
-                or m > Float32(3.4028234663852886e38)
-            )
-            for off in cutlass.range_constexpr(5):
-                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1 << off))
-            ex = fp8_pow2_exponent(m)
-            inv = bits_to_f32((127 - ex) << 23)
-            scale = bits_to_f32((127 + ex) << 23)
-            if cute.arch.vote_any_sync(bad):
-                inv = bits_to_f32(0x7FC00000)
-                scale = inv
-            q = (cvt_e4m3x2(v[1] * inv, v[0] * inv) & 0xFFFF) | (cvt_e4m3x2(v[3] * inv, v[2] * inv) << 16)
-            st_u32(own + o["pub_x"] + col, q)
-            if lane == 0:
-                st_u32(own + o["pub_sx"] + (Int64(t) * HS + c) * 4, f32_to_bits(scale))
-        for i in cutlass.range(cta * THREADS + tid, ntok * K, nctas * THREADS, unroll=1):
-            st_u32(own + o["pub_ids"] + Int64(i) * 4, ld_u32(ids + Int64(i) * 4))
-            st_u32(own + o["pub_w"] + Int64(i) * 4, ld_u32(wts + Int64(i) * 4))
-        cute.arch.sync_threads()
+        st = SmemAllocator().allocate(self.publish_shared)
+        sflag = st.flag.get_tensor(cute.make_layout(4))
+        sarg = st.arg.get_tensor(cute.make_layout(4))
         if tid == 0:
+            ok = Int32(0)
+            if ld_u32(own + SIG_ERR * 4) == 0:
+                held = atom_cas_u32(own + SIG_INUSE * 4, 0, ticket, "gpu", "acq_rel")
+                if held == 0 or held == ticket:
+                    ok = Int32(1)
+                else:
+                    record_error(own + SIG_ERR * 4, KIND_BUSY, 0, ticket, held)
+            sflag[0] = ok
+            sflag[1] = ntok_arg
+            sflag[2] = ids64_arg
+            sarg[0] = x_arg
+            sarg[1] = ids_arg
+            sarg[2] = wts_arg
+            sarg[3] = out_arg
+            if ok == 1 and slots != 0:  # the argument block the host's copy wrote just before this launch
+                for i in cutlass.range_constexpr(4):
+                    sarg[i] = ld_u64(slots + 8 * i)
+                sflag[1] = Int32(ld_u64(slots + 32))
+                sflag[2] = Int32(ld_u64(slots + 40))
+        cute.arch.sync_threads()
+        ntok = sflag[1]
+        if sflag[0] == 1:
+            x, ids, wts, ids64 = sarg[0], sarg[1], sarg[2], sflag[2]
+            for gi in cutlass.range(cta * WARPS + warp, ntok * HS, nctas * WARPS, unroll=1):
+                t = gi // HS
+                c = gi - t * HS
+                col = Int64(t) * H + c * 128 + lane * 4
+                w0 = ld_u32(x + col * 2)
+                w1 = ld_u32(x + col * 2 + 4)
+                v = (
+                    bits_to_f32(w0 << 16),
+                    bits_to_f32(w0 & -65536),
+                    bits_to_f32(w1 << 16),
+                    bits_to_f32(w1 & -65536),
+                )
+                m = cute.arch.fmax(
+                    cute.arch.fmax(cute.math.absf(v[0]), cute.math.absf(v[1])),
+                    cute.arch.fmax(cute.math.absf(v[2]), cute.math.absf(v[3])),
+                )
+                bad = (
+                    (v[0] != v[0])
+                    or (v[1] != v[1])
+                    or (v[2] != v[2])
+                    or (v[3] != v[3])
+                    or m > Float32(3.4028234663852886e38)
+                )
+                for off in cutlass.range_constexpr(5):
+                    m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1 << off))
+                ex = fp8_pow2_exponent(m)
+                inv = bits_to_f32((127 - ex) << 23)
+                scale = bits_to_f32((127 + ex) << 23)
+                if cute.arch.vote_any_sync(bad):
+                    inv = bits_to_f32(0x7FC00000)
+                    scale = inv
+                q = (cvt_e4m3x2(v[1] * inv, v[0] * inv) & 0xFFFF) | (cvt_e4m3x2(v[3] * inv, v[2] * inv) << 16)
+                st_u32(own + o["pub_x"] + col, q)
+                if lane == 0:
+                    st_u32(own + o["pub_sx"] + (Int64(t) * HS + c) * 4, f32_to_bits(scale))
+            for i in cutlass.range(cta * THREADS + tid, ntok * K, nctas * THREADS, unroll=1):
+                t = i // K
+                j = i - t * K
+                e = Int32(self.E) + j - KR  # shared slot j >= k: id E + j - k, weight 1
+                wb = Int32(ONE_F32)
+                if j < KR:
+                    src = Int64(t) * KR + j
+                    wb = ld_u32(wts + src * 4)
+                    if ids64 != 0:
+                        e64 = ld_u64(ids + src * 8)
+                        e = Int32(e64)
+                        if e64 < 0 or e64 >= self.E:
+                            self._record_bad(own, BAD_ID, t, j, Int32(e64))
+                            e = Int32(-1)
+                    else:
+                        e = ld_u32(ids + src * 4)
+                        if e < 0 or e >= self.E:
+                            self._record_bad(own, BAD_ID, t, j, e)
+                            e = Int32(-1)
+                    if e < 0:  # dropped: no rank writes this slot's combine row, so it adds zero
+                        row = own + o["combine"] + Int64(i) * (H * 2)
+                        for c in cutlass.range(H // 8, unroll=1):
+                            st_v4(row + Int64(c) * 16, 0, 0, 0, 0)
+                    if (wb & 0x7F800000) == 0x7F800000:
+                        self._record_bad(own, BAD_WEIGHT, t, j, wb)
+                st_u32(own + o["pub_ids"] + Int64(i) * 4, e)
+                st_u32(own + o["pub_w"] + Int64(i) * 4, wb)
+        cute.arch.sync_threads()
+        if tid == 0 and sflag[0] == 1:
             fence_gpu()
             if atom_add_u32(own + SIG_PUB_DONE * 4, 1, "acq_rel", "gpu") == nctas - 1:
                 st_u32(own + SIG_PUB_DONE * 4, 0)
-                self._signal_ready(own, ntok)
+                if slots != 0:
+                    seq = ld_u32(own + SIG_SEQ * 4) + 1
+                    st_u32(own + SIG_SEQ * 4, seq)
+                    if status != 0:  # the BAD entry of this call to the host, then the SEQ it completes
+                        for w in cutlass.range_constexpr(4):
+                            st_u32(status + 4 + 4 * w, ld_u32(own + SIG_BAD * 4 + 4 * w))
+                            st_u32(own + SIG_BAD * 4 + 4 * w, 0)
+                        fence_sys()
+                        st_release_u32(status, seq, "sys")
+                self._signal_ready(own, ntok, sarg[3])
 
     @cute.jit
-    def publish(self, own: Int64, x: Int64, ids: Int64, wts: Int64, ntok: Int32, nctas: Int32, stream: cuda.CUstream):
-        self.k_publish(own, x, ids, wts, ntok).launch(grid=[nctas, 1, 1], block=[THREADS, 1, 1], stream=stream)
+    def publish(
+        self,
+        own: Int64,
+        slots: Int64,
+        status: Int64,
+        x: Int64,
+        ids: Int64,
+        wts: Int64,
+        out: Int64,
+        ntok: Int32,
+        ids64: Int32,
+        ticket: Int32,
+        nctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.k_publish(own, slots, status, x, ids, wts, out, ntok, ids64, ticket).launch(
+            grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=self.publish_shared.size_in_bytes(), stream=stream
+        )
 
     # ---------------------------------------------------------------- dispatch
     @cute.kernel
     def k_dispatch(self, peers: tuple, rank: Int32, timeout_ns: Int64):
-        P, TM, K, EL, BM, C = self.P, self.TM, self.K, self.EL, self.BM, self.C
+        P, TM, K, EL, REL, BM, C = self.P, self.TM, self.K, self.EL, self.REL, self.BM, self.C
         H, HS, CAP, o = self.H, self.HS, self.CAP, self.o
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
@@ -234,9 +376,9 @@ class CommKernels:
         sntok = st.ntok.get_tensor(cute.make_layout(P))
         sflag = st.flag.get_tensor(cute.make_layout(4))
         sids = st.ids.get_tensor(cute.make_layout(P * TM * K))
-        scur = st.cur.get_tensor(cute.make_layout(P * EL))
-        soff = st.off.get_tensor(cute.make_layout(EL + 1))
-        stot = st.tot.get_tensor(cute.make_layout(EL))
+        scur = st.cur.get_tensor(cute.make_layout(P * REL))
+        soff = st.off.get_tensor(cute.make_layout(REL + 1))
+        stot = st.tot.get_tensor(cute.make_layout(REL))
         sscan = st.scan.get_tensor(cute.make_layout(WARPS))
 
         self._stage_peers(peers, speer, tid)
@@ -248,15 +390,15 @@ class CommKernels:
         failed = ld_u32(own + SIG_ERR * 4)
         if failed == 0 and tid < P:
             pa = speer[tid]
-            seen = wait_until_eq(pa + SIG_READY * 4, g, timeout_ns, "sys")
+            seen = wait_until_eq(pa + SIG_READY * 4, g, timeout_ns, self.SCOPE, own + SIG_ERR * 4)
             if seen != g:
                 record_error(own + SIG_ERR * 4, KIND_READY, tid, g, seen)
                 sflag[0] = 1
-            sntok[tid] = ld_relaxed_u32(pa + SIG_NTOK * 4, "sys")
+            sntok[tid] = ld_relaxed_u32(pa + SIG_NTOK * 4, self.SCOPE)
         cute.arch.sync_threads()
         if failed == 0 and sflag[0] == 0:
-            # 2. ids -> smem, counts per (src rank, local expert)
-            for i in cutlass.range(tid, P * EL, THREADS, unroll=1):
+            # 2. ids -> smem, counts per (src rank, ring expert); shared ids only from this rank's own tokens
+            for i in cutlass.range(tid, P * REL, THREADS, unroll=1):
                 scur[i] = 0
             cute.arch.sync_threads()
             lo = rank * EL
@@ -264,27 +406,31 @@ class CommKernels:
                 n = sntok[q] * K
                 pa = speer[q] + o["pub_ids"]
                 for j in cutlass.range(tid, n, THREADS, unroll=1):
-                    e = ld_u32(pa + Int64(j) * 4) - lo
+                    gid = ld_u32(pa + Int64(j) * 4)
+                    e = gid - lo
                     v = Int32(-1)
                     if e >= 0 and e < EL:
                         v = e
-                        cute.arch.atomic_add(scur.iterator + (q * EL + e), Int32(1))
+                    if q == rank and gid >= self.E:
+                        v = EL + gid - self.E
+                    if v >= 0:
+                        cute.arch.atomic_add(scur.iterator + (q * REL + v), Int32(1))
                     sids[q * TM * K + j] = Int16(v)
             cute.arch.sync_threads()
             # 3. totals, cursors over source ranks, BM-padded offsets (block-wide exclusive scan)
-            for e in cutlass.range(tid, EL, THREADS, unroll=1):
+            for e in cutlass.range(tid, REL, THREADS, unroll=1):
                 acc = Int32(0)
                 for q in cutlass.range(P, unroll=1):
-                    c = scur[q * EL + e]
-                    scur[q * EL + e] = acc
+                    c = scur[q * REL + e]
+                    scur[q * REL + e] = acc
                     acc = acc + c
                 stot[e] = acc
             cute.arch.sync_threads()
-            per = -(-EL // THREADS)
+            per = -(-REL // THREADS)
             mine = Int32(0)
             for c in cutlass.range_constexpr(per):
                 e = tid * per + c
-                if e < EL:
+                if e < REL:
                     mine = mine + (stot[e] + BM - 1) // BM * BM
             incl = mine
             for d in cutlass.range_constexpr(5):
@@ -301,20 +447,23 @@ class CommKernels:
             run = before + incl - mine
             for c in cutlass.range_constexpr(per):
                 e = tid * per + c
-                if e < EL:
+                if e < REL:
                     soff[e] = run
                     run = run + (stot[e] + BM - 1) // BM * BM
             if tid == THREADS - 1:
-                soff[EL] = run
+                soff[REL] = run
             cute.arch.sync_threads()
-            for i in cutlass.range(tid, P * EL, THREADS, unroll=1):
-                scur[i] = scur[i] + soff[i % EL]
+            for i in cutlass.range(tid, P * REL, THREADS, unroll=1):
+                scur[i] = scur[i] + soff[i % REL]
             if cta == 0:
-                for e in cutlass.range(tid, EL + 1, THREADS, unroll=1):
+                for e in cutlass.range(tid, REL + 1, THREADS, unroll=1):
                     st_u32(own + o["ring_offsets"] + e * 4, soff[e])
-                for e in cutlass.range(tid, EL, THREADS, unroll=1):
+                for e in cutlass.range(tid, REL, THREADS, unroll=1):
                     st_u32(own + o["ring_counts"] + e * 4, stot[e])
             cute.arch.sync_threads()
+            if cta == 0 and tid == 0:  # the ring's shape for call g: what W1 and W2 acquire before reading it
+                fence_gpu()
+                st_release_u32(own + SIG_OFFS * 4, g, "gpu")
             # 4. rank the entries of each source rank: row of (q, t, j), kept when this CTA owns its block
             for q in cutlass.range(warp, P, WARPS, unroll=1):
                 n = sntok[q] * K
@@ -326,7 +475,7 @@ class CommKernels:
                     peers_mask = cute.arch.match_sync(-1, e)
                     rank_in = cute.arch.popc(peers_mask & cute.arch.lanemask_lt())
                     if e >= 0:
-                        row = scur[q * EL + e] + rank_in
+                        row = scur[q * REL + e] + rank_in
                         if (row // BM) % C == cta:
                             dst = own + o["ring_src"] + Int64(row) * 12
                             st_u32(dst, q)
@@ -334,15 +483,15 @@ class CommKernels:
                             st_u32(dst + 8, i % K)
                     cute.arch.sync_warp()
                     if e >= 0 and rank_in == 0:
-                        scur[q * EL + e] = scur[q * EL + e] + cute.arch.popc(peers_mask)
+                        scur[q * REL + e] = scur[q * REL + e] + cute.arch.popc(peers_mask)
                     cute.arch.sync_warp()
             cute.arch.sync_threads()
             # 5. pull the rows of the owned blocks, then tag each block with the generation
-            nblk = soff[EL] // BM
+            nblk = soff[REL] // BM
             for b in cutlass.range(cta, nblk, C, unroll=1):
                 row0 = b * BM
                 lo_e = Int32(0)
-                hi_e = Int32(EL)
+                hi_e = Int32(REL)
                 while hi_e - lo_e > 1:
                     mid = (lo_e + hi_e) // 2
                     if soff[mid] <= row0:
@@ -367,14 +516,7 @@ class CommKernels:
                             st_u32(own + o["ring_w"] + Int64(row) * 4, ld_u32(pa + o["pub_w"] + Int64(t * K + j) * 4))
                             st_u32(own + o["ring_dst"] + Int64(row) * 4, t * K + j)
                     else:
-                        for c in cutlass.range_constexpr(self.LANE_CHUNKS):
-                            idx = lane + 32 * c
-                            if idx < self.CHUNKS:
-                                st_v4(xdst + Int64(idx) * 16, 0, 0, 0, 0)
-                        for s in cutlass.range(lane, HS, 32, unroll=1):
-                            st_u32(own + o["ring_sxT"] + (Int64(s) * CAP + row) * 4, 0)
                         if lane == 0:
-                            st_u32(own + o["ring_w"] + Int64(row) * 4, 0)
                             st_u32(own + o["ring_dst"] + Int64(row) * 4, TM * K)  # the combine buffer's sink row
                             st_u32(srow, -1)
                             st_u32(srow + 4, -1)
@@ -390,51 +532,60 @@ class CommKernels:
             grid=[self.C, 1, 1], block=[THREADS, 1, 1], smem=self.dispatch_shared.size_in_bytes(), stream=stream
         )
 
-    # ---------------------------------------------------------------- combined
+    # ---------------------------------------------------------------- finalize (+ the combined signal)
     @cute.kernel
-    def k_combined(self, peers: tuple, rank: Int32):
-        tid, _, _ = cute.arch.thread_idx()
-
-        st = SmemAllocator().allocate(self.peer_shared)
-        speer = st.peer.get_tensor(cute.make_layout(self.P))
-        self._stage_peers(peers, speer, tid)
-        cute.arch.sync_threads()
-        own = speer[rank]
-        if ld_u32(own + SIG_ERR * 4) == 0:
-            par = ld_u32(own + SIG_GEN * 4) & 1
-            fence_sys()
-            for q in cutlass.range(tid, self.P, 32, unroll=1):
-                atom_add_u32(speer[q] + (SIG_RECV + par) * 4, 1, "release", "sys")
-
-    @cute.jit
-    def combined(self, peers: tuple, rank: Int32, stream: cuda.CUstream):
-        self.k_combined(peers, rank).launch(
-            grid=[1, 1, 1], block=[32, 1, 1], smem=self.peer_shared.size_in_bytes(), stream=stream
-        )
-
-    # ---------------------------------------------------------------- finalize
-    @cute.kernel
-    def k_finalize(self, own: Int64, rank: Int32, out: Int64, shared: Int64, timeout_ns: Int64):
+    def k_finalize(
+        self,
+        peers: tuple,
+        rank: Int32,
+        out_arg: Int64,
+        ntok_arg: Int32,
+        shared: Int64,
+        timeout_ns: Int64,
+        ticket: Int32,
+        status: Int64,
+    ):
         K, H, S, F, P = self.K, self.H, self.S, self.F, self.P
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
 
-        st = SmemAllocator().allocate(self.flag_shared)
+        st = SmemAllocator().allocate(self.finalize_shared)
+        speer = st.peer.get_tensor(cute.make_layout(P))
         sflag = st.flag.get_tensor(cute.make_layout(4))
+        self._stage_peers(peers, speer, tid)
+        cute.arch.sync_threads()
+        own = speer[rank]
+        if tid == 0:
+            mine = Int32(0)
+            if ld_acquire_u32(own + SIG_INUSE * 4, "gpu") == ticket:
+                mine = Int32(1)
+            sflag[0] = Int32(0)
+            if mine == 1 and ld_u32(own + SIG_ERR * 4) == 0:
+                sflag[0] = Int32(1)
+            sflag[1] = mine
+        cute.arch.sync_threads()
         g = ld_u32(own + SIG_GEN * 4)
         par = g & 1
-        if tid == 0:
-            sflag[0] = ld_u32(own + SIG_ERR * 4)
-            if sflag[0] == 0:
-                seen = wait_until_eq(own + (SIG_RECV + par) * 4, P, timeout_ns, "sys")
+        if sflag[0] == 1:
+            if cta == 0 and tid < P:  # combined: my W2 rows for every rank have landed (its launch has finished)
+                fence_scope(self.SCOPE)
+                atom_add_u32(speer[tid] + (SIG_RECV + par) * 4, 1, "release", self.SCOPE)
+            if tid == 0:
+                seen = wait_until_eq(own + (SIG_RECV + par) * 4, P, timeout_ns, self.SCOPE, own + SIG_ERR * 4)
                 if seen != P:
                     record_error(own + SIG_ERR * 4, KIND_RECV, rank, g, seen)
-                    sflag[0] = 1
+                    sflag[0] = 0
         cute.arch.sync_threads()
-        if sflag[0] == 0:
-            t_count = ld_u32(own + SIG_NTOK * 4)
-            per_tok = H // 8
-            comb = own + self.o["combine"]
+        out = out_arg
+        t_count = ntok_arg
+        if sflag[1] == 1:
+            if out == 0:
+                out = Int64(ld_u32(own + SIG_OUT * 4)) & 0xFFFFFFFF | (Int64(ld_u32(own + SIG_OUT * 4 + 4)) << 32)
+            if t_count < 0:
+                t_count = ld_u32(own + SIG_NTOK * 4)
+        per_tok = H // 8
+        comb = own + self.o["combine"]
+        if sflag[0] == 1:
             for it in cutlass.range(cta * THREADS + tid, t_count * per_tok, F * THREADS, unroll=1):
                 t = it // per_tok
                 c = it - t * per_tok
@@ -465,32 +616,73 @@ class CommKernels:
                 fence_gpu()
                 if atom_add_u32(own + SIG_DONE * 4, 1, "acq_rel", "gpu") == F - 1:
                     st_u32(own + SIG_DONE * 4, 0)
-                    st_release_u32(own + (SIG_RECV + par) * 4, 0, "sys")
+                    st_release_u32(own + (SIG_RECV + par) * 4, 0, self.SCOPE)
+                    st_u32(own + SIG_CGEN * 4, g)
+                    fence_gpu()
+                    st_release_u32(own + SIG_INUSE * 4, 0, "gpu")
+        else:
+            # a failed call (or one that never held the workspace) writes NaN rows where it knows its output
+            if out != 0:
+                nan2 = Int32(0x7FC07FC0)
+                for it in cutlass.range(cta * THREADS + tid, t_count * per_tok, F * THREADS, unroll=1):
+                    st_v4(out + Int64(it) * 16, nan2, nan2, nan2, nan2)
+        if cta == 0 and tid == 0 and status != 0:  # the ERR words to the host (the slot path's status)
+            for w in cutlass.range_constexpr(5):
+                st_u32(status + 32 + 4 * w, ld_u32(own + SIG_ERR * 4 + 4 * w))
 
     @cute.jit
-    def finalize(self, own: Int64, rank: Int32, out: Int64, shared: Int64, timeout_ns: Int64, stream: cuda.CUstream):
-        self.k_finalize(own, rank, out, shared, timeout_ns).launch(
-            grid=[self.F, 1, 1], block=[THREADS, 1, 1], smem=self.flag_shared.size_in_bytes(), stream=stream
+    def finalize(
+        self,
+        peers: tuple,
+        rank: Int32,
+        out: Int64,
+        ntok: Int32,
+        shared: Int64,
+        timeout_ns: Int64,
+        ticket: Int32,
+        status: Int64,
+        stream: cuda.CUstream,
+    ):
+        self.k_finalize(peers, rank, out, ntok, shared, timeout_ns, ticket, status).launch(
+            grid=[self.F, 1, 1], block=[THREADS, 1, 1], smem=self.finalize_shared.size_in_bytes(), stream=stream
         )
 
 
 @cache
 def compiled(shape: CommShape, arch: str) -> dict:
-    """The four kernels compiled for `arch` (no GPU needed)."""
+    """The kernels compiled for `arch` (no GPU needed)."""
     k = CommKernels(shape)
+    i64 = Int64(0)
     peers = tuple(Int64(0) for _ in range(shape.spec.ranks))
     stream = crt.make_fake_stream()
-    tag = f"p{shape.spec.ranks}_h{shape.spec.hidden}_e{shape.spec.local_experts}_bm{shape.spec.bm}"
+    s = shape.spec
+    tag = f"p{s.ranks}_h{s.hidden}_e{s.local_experts}s{s.shared}_k{s.top_k}_bm{s.bm}"
     return {
-        "ready": compile_kernel(k.ready, Int64(0), Int32(0), stream, arch=arch, name=f"comm_ready_{tag}"),
+        "ready": compile_kernel(k.ready, i64, Int32(0), stream, arch=arch, name=f"comm_ready_{tag}"),
         "publish": compile_kernel(
-            k.publish, *(Int64(0),) * 4, Int32(0), Int32(1), stream, arch=arch, name=f"comm_publish_{tag}"
+            k.publish,
+            *(i64,) * 7,
+            Int32(0),
+            Int32(0),
+            Int32(1),
+            Int32(1),
+            stream,
+            arch=arch,
+            name=f"comm_publish_{tag}",
         ),
-        "dispatch": compile_kernel(
-            k.dispatch, peers, Int32(0), Int64(0), stream, arch=arch, name=f"comm_dispatch_{tag}"
-        ),
-        "combined": compile_kernel(k.combined, peers, Int32(0), stream, arch=arch, name=f"comm_combined_{tag}"),
+        "dispatch": compile_kernel(k.dispatch, peers, Int32(0), i64, stream, arch=arch, name=f"comm_dispatch_{tag}"),
         "finalize": compile_kernel(
-            k.finalize, Int64(0), Int32(0), Int64(0), Int64(0), Int64(0), stream, arch=arch, name=f"comm_finalize_{tag}"
+            k.finalize,
+            peers,
+            Int32(0),
+            i64,
+            Int32(0),
+            i64,
+            i64,
+            Int32(1),
+            i64,
+            stream,
+            arch=arch,
+            name=f"comm_finalize_{tag}",
         ),
     }

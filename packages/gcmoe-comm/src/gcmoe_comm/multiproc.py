@@ -1,10 +1,13 @@
 """The comm checks across processes, one GPU per process, on PyTorch symmetric memory (issue: multi-GPU run).
 
-    python -m gcmoe_comm.multiproc [--ranks P] [--replays 1000] [--out DIR]
+    python -m gcmoe_comm.multiproc [--ranks P] [--replays 1000] [--out DIR] [--bound-ms MS] [--delay-rank R --delay-s S]
 
 P processes (default: every visible GPU; P = 1 runs the same code at world size 1) each build their rank's
-Workspace.symmetric and run, with the W1/W2 stand-in scattering into the peers' combine buffers through their
-symmetric-memory mappings:
+Workspace.symmetric, load every comm kernel (CommRank.load) and meet at a rendezvous (dist.barrier) before the first
+call, so a rank still starting (loading, compiling: seconds) never looks dead to a peer that already waits with the
+bound — --delay-rank R --delay-s S makes rank R start S seconds late to show it. The bound on every wait is --bound-ms
+(default GCMOE_COMM_TIMEOUT_MS). Then, with the W1/W2 stand-in scattering into the peers' combine buffers through
+their symmetric-memory mappings:
     1. every routing of gcmoe_comm.testing.ROUTINGS once, eagerly: own ring and own output bit-exact
     2. one CUDA graph of the call, replayed `replays` times with the routing swapped between replays: bit-exact
     3. (P > 1) a dead peer: rank 1 skips one call; every other rank must raise CommError naming rank 1's ready tag
@@ -27,7 +30,9 @@ H, E, K, S, TMAX, BM = 1024, 16, 4, 1, 32, 8
 NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _worker(rank: int, p: int, store: str, out_dir: str, replays: int, bound_ms: int) -> None:
+def _worker(
+    rank: int, p: int, store: str, out_dir: str, replays: int, bound_ms: float, delay: tuple[int, float]
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -40,6 +45,8 @@ def _worker(rank: int, p: int, store: str, out_dir: str, replays: int, bound_ms:
     from .workspace import CommError, Workspace
 
     os.environ.update(NO_MULTICAST)
+    if rank == delay[0]:
+        time.sleep(delay[1])  # a rank that is still starting (loading, compiling) when its peers are ready
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=p, device_id=dev)
@@ -49,13 +56,17 @@ def _worker(rank: int, p: int, store: str, out_dir: str, replays: int, bound_ms:
         ws = Workspace.symmetric(spec)
         comm = CommRank(ws, dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=bound_ms)
         combine_of = [ws.peer_views(q).combine for q in range(p)]
+        scatter_stand_in(ws, combine_of)  # its torch kernels loaded too
+        comm.load()  # every comm kernel compiled and loaded before the first cross-rank wait ...
+        torch.cuda.synchronize()
+        dist.barrier()  # ... and every rank past that point before any rank's first call
+        res["bound_ms"] = bound_ms
 
         def call(x, ids, w, shared, out):
             ws.views.combine.fill_(float("nan"))  # poison: a row nobody wrote shows in the output
             comm.publish(x, ids, w)
             comm.dispatch()
             scatter_stand_in(ws, combine_of)
-            comm.combined()
             comm.finalize(out, shared)
 
         gen = 0
@@ -119,13 +130,26 @@ def _worker(rank: int, p: int, store: str, out_dir: str, replays: int, bound_ms:
         dist.destroy_process_group()
 
 
-def run(ranks: int, replays: int, out: str, bound_ms: int = 200) -> list[dict]:
+def run(
+    ranks: int,
+    replays: int,
+    out: str,
+    bound_ms: float | None = None,
+    delay_rank: int = -1,
+    delay_s: float = 0.0,
+) -> list[dict]:
+    """Spawn the ranks and return their result records. bound_ms: the wait bound (default GCMOE_COMM_TIMEOUT_MS);
+    delay_rank / delay_s: that rank starts delay_s seconds late."""
     import torch.multiprocessing as mp
 
+    from gcmoe_core import env
+
+    bound = float(env.get_int("GCMOE_COMM_TIMEOUT_MS")) if bound_ms is None else float(bound_ms)
     os.environ.update(NO_MULTICAST)
     Path(out).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(ranks, f"{d}/store", out, replays, bound_ms), nprocs=ranks, join=True)
+        args = (ranks, f"{d}/store", out, replays, bound, (delay_rank, delay_s))
+        mp.spawn(_worker, args=args, nprocs=ranks, join=True)
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
@@ -136,8 +160,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=torch.cuda.device_count())
     ap.add_argument("--replays", type=int, default=1000)
     ap.add_argument("--out", default="comm-multiproc")
+    ap.add_argument("--bound-ms", type=float, default=None, help="wait bound (default GCMOE_COMM_TIMEOUT_MS)")
+    ap.add_argument("--delay-rank", type=int, default=-1, help="this rank starts --delay-s seconds late")
+    ap.add_argument("--delay-s", type=float, default=0.0)
     args = ap.parse_args(argv)
-    results = run(args.ranks, args.replays, args.out)
+    results = run(args.ranks, args.replays, args.out, args.bound_ms, args.delay_rank, args.delay_s)
     for r in results:
         print(f"rank {r['rank']}/{r['ranks']} on {r.get('device')}: {'ok' if r['ok'] else r['error']}; {r['checks']}")
     return 0 if all(r["ok"] for r in results) else 1

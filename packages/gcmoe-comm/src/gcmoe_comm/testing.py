@@ -59,13 +59,12 @@ def check_ring(v: WorkspaceViews, q: int, spec: RingSpec, xs, ids, weights, gen:
     assert torch.equal(src[valid], ref.src), f"rank {q}: row order / sources"
     assert bool((src[~valid] == -1).all()), f"rank {q}: padding rows must say -1"
     dst = v.ring_dst[:used]
-    assert torch.equal(dst[valid], ref.src[:, 1] * spec.top_k + ref.src[:, 2]), f"rank {q}: combine rows"
+    assert torch.equal(dst[valid], ref.src[:, 1] * spec.slots + ref.src[:, 2]), f"rank {q}: combine rows"
     assert bool((dst[~valid] == v.sink_row).all()), f"rank {q}: padding rows must aim at the sink row"
     assert torch.equal(v.ring_x[:used][valid], ref.x_payload.view(torch.uint8)), f"rank {q}: FP8 payload"
     assert torch.equal(v.ring_sxT[:, :used][:, valid].t(), ref.x_scale), f"rank {q}: scales"
     if ref.src.numel():
         wref = torch.stack([weights[r][t, j] for r, t, j in ref.src.tolist()])
         assert torch.equal(v.ring_w[:used][valid], wref.float()), f"rank {q}: routing weights"
-    assert int(v.ring_x[:used][~valid].count_nonzero()) == 0 and int(v.ring_w[:used][~valid].count_nonzero()) == 0
     tags = v.l1_full[: used // bm]
     assert bool((tags == gen).all()), f"rank {q}: L1_FULL tags {tags.tolist()} != generation {gen}"

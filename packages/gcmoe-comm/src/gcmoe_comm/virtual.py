@@ -1,6 +1,7 @@
 """P virtual ranks in one process on one GPU: the cross-rank protocol exercised without several GPUs.
 
     vr = VirtualRanks(spec, "cuda", dispatch_ctas=8)    # P workspaces, P CommRanks, P streams
+    vr.load()                                           # every rank's kernels loaded (before the first wait)
     vr.step(xs, ids, ws, outs, shared)                  # every rank's call, ranks' kernels concurrent on their streams
     g, _ = capture_graph(lambda: vr.step(...))          # ... and as one CUDA graph (P forked branches)
 
@@ -42,14 +43,17 @@ def scatter_stand_in(ws: Workspace, combine_of: list[torch.Tensor]) -> None:
     v, s = ws.views, ws.spec
     cap = s.capacity
     rows = torch.arange(cap, device=v.ring_x.device, dtype=torch.int32)
-    expert = torch.searchsorted(v.ring_offsets[1:], rows, right=True) + ws.rank * s.local_experts
+    ring_e = torch.searchsorted(v.ring_offsets[1:], rows, right=True)  # ring expert: routed, then shared
+    expert = torch.where(
+        ring_e < s.local_experts, ring_e + ws.rank * s.local_experts, ring_e - s.local_experts + s.num_experts
+    )
     xf = v.ring_x.view(torch.float8_e4m3fn).float() * v.ring_sxT.t().repeat_interleave(128, dim=1)
     y = _stand_in(xf, expert, v.ring_w)
     src = v.ring_src.long()
     valid = (src[:, 0] >= 0) & (rows < v.ring_offsets[-1])  # rows past the last block hold stale data
     sink = v.sink_row  # the same row index in every rank's combine buffer
     for q, combine in enumerate(combine_of):
-        dst = torch.where(valid & (src[:, 0] == q), src[:, 1] * s.top_k + src[:, 2], sink)
+        dst = torch.where(valid & (src[:, 0] == q), src[:, 1] * s.slots + src[:, 2], sink)
         combine.index_copy_(0, dst, y)
 
 
@@ -101,10 +105,13 @@ class VirtualRanks:
         each(publish)
         each(lambda r, rank: rank.dispatch())
         each(lambda r, rank: scatter_stand_in(rank.ws, [w.views.combine for w in self.ws]))
-        each(lambda r, rank: rank.combined())
         each(lambda r, rank: rank.finalize(outs[r], None if shared_rows is None else shared_rows[r]))
         for stream in self.streams:
             main.wait_stream(stream)
+
+    def load(self) -> None:
+        for r in self.ranks:
+            r.load()
 
     def check(self) -> None:
         for w in self.ws:

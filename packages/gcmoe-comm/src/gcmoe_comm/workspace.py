@@ -1,7 +1,7 @@
 """One rank's communication workspace: a single byte buffer carved into the published tokens, the token ring, the
 signals and the combine buffer, and the peer address table the kernels get by value.
 
-    spec = RingSpec.from_config(cfg, bm=16)
+    spec = RingSpec.from_config(cfg)
     wss = Workspace.virtual(spec, device)          # P virtual ranks on one GPU: P separate buffers (tests, benches)
     ws = Workspace.symmetric(spec, group)          # one rank of P processes: PyTorch symmetric memory (P may be 1)
     ws.views                                       # torch views of this rank's buffers (WorkspaceViews)
@@ -13,13 +13,21 @@ signals and the combine buffer, and the peer address table the kernels get by va
 Every rank's workspace has the same layout (WorkspaceLayout, byte offsets from the base), so one base address per
 rank is the whole peer table. Signal words (uint32, start of the buffer; each group in its own 128-byte line):
 
-    GEN      this rank's call generation g (the ready kernel advances it; never reset between replays)
+    GEN      this rank's call generation g (publish advances it; never reset between replays)
     READY    g once this rank's tokens, ids and weights for call g are published (peers acquire it before pulling)
-    NTOK     this rank's token count in call g (published with READY)
+    NTOK     this rank's token count in call g, OUT (2 words) its output pointer (published with READY)
     DONE     finalize CTAs that finished call g (the last one resets the receive counter it consumed)
     PUB_DONE publish CTAs that finished (the last one advances GEN and releases READY)
-    ERR      code, kind, rank, generation, value seen — written once by the first wait that timed out
+    ERR      code, kind, rank, generation, value seen — written once by the first wait that timed out (code 1), or
+             set by the host to WARMUP while kernels are loaded (every kernel then returns at once)
     RECV     two receive counters, parity g & 1: each peer adds 1 after its W2 rows for call g landed here
+    CGEN     the generation whose finalize last finished on this rank: the compute role (W1, W2) runs call CGEN + 1
+    OFFS     g once dispatch wrote the ring offsets and counts of call g (W1 and W2 acquire it)
+    INUSE    the ticket of the call that holds this workspace (0: free); publish takes it, finalize frees it. A
+             second call arriving while it is held records ERR kind BUSY: concurrent use never corrupts silently
+    SEQ      calls of the slot path consumed (the host's argument slot ring, see comm.CommRank.publish)
+    BAD      code, token, slot, value of the first invalid routing entry of a call (id outside [0, E): dropped, never
+             dereferenced; non-finite weight: kept) — mirrored to the host or read by Workspace.bad_input()
     L1_FULL  per ring block: the generation whose dispatch filled it (W1 acquires it; no reset pass)
 """
 
@@ -29,20 +37,67 @@ from dataclasses import dataclass
 
 import torch
 
+from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_READY, KIND_RECV
+
 from .ring import RingSpec
 
-SIG_GEN, SIG_READY, SIG_NTOK = 0, 32, 33
+SIG_GEN, SIG_READY, SIG_NTOK, SIG_OUT = 0, 32, 33, 34  # OUT: 2 words
 SIG_DONE = 64
 SIG_PUB_DONE = 65
 SIG_ERR = 96  # 5 words
 SIG_RECV = 128  # 2 words
-SIG_L1_FULL = 160
+SIG_CGEN = 160
+SIG_OFFS = 192
+SIG_INUSE = 224
+SIG_SEQ = 256
+SIG_BAD = 288  # 4 words
+SIG_L1_FULL = 320
 ERR_WORDS = 5
-ERR_KINDS = {1: "ready tag (its tokens for this call were never published)", 2: "receive counter"}
+ERR_KINDS = {
+    KIND_READY: "ready tag (its tokens for this call were never published)",
+    KIND_RECV: "receive counter",
+    KIND_OFFS: "ring offsets tag (this rank's dispatch never published the call's ring)",
+    KIND_BLOCK: "ring block tag (this rank's dispatch never filled the block)",
+    KIND_BUSY: "workspace, held by another call (one layer's workspace used by two calls at once: give each "
+    "concurrent stream its own layer call lane, see gcmoe.MoELayer)",
+}
+BAD_ID, BAD_WEIGHT = 1, 2
 
 
 class CommError(RuntimeError):
     """A bounded wait in a gcmoe-comm kernel expired: names the rank, counter and generation it waited on."""
+
+
+def error_message(err: list[int], rank: int, ranks: int) -> str | None:
+    """ERR words (code, kind, rank or block, generation, value seen) in words; None when no wait failed."""
+    code, kind, who, gen, seen = err
+    if code == 0:
+        return None
+    what = ERR_KINDS.get(kind, f"counter kind {kind}")
+    tail = "The call's outputs are invalid (NaN); every rank must call recover() before the next call"
+    if kind == KIND_BUSY:
+        return f"gcmoe-comm rank {rank}: a call (ticket {gen}) found its {what}, ticket {seen}. {tail}"
+    if kind == KIND_RECV:
+        want = f"{ranks} arrivals for generation {gen}"
+    else:
+        want = f"generation {gen}"
+    place = f"block {who} of its own ring" if kind == KIND_BLOCK else f"rank {who}'s"
+    if kind == KIND_BLOCK:
+        return f"gcmoe-comm rank {rank}: timed out waiting on {place} ({what}): wanted {want}, saw {seen}. {tail}"
+    return f"gcmoe-comm rank {rank}: timed out waiting on {place} {what}: wanted {want}, saw {seen}. {tail}"
+
+
+def bad_input_message(bad: list[int], num_experts: int) -> str | None:
+    """BAD words (code, token, slot, value) in words, as gcmoe_core.config's argument errors say them; None: none."""
+    code, token, slot, value = bad
+    if code == 0:
+        return None
+    if code == BAD_ID:
+        return (
+            f"gcmoe: topk_ids: holds expert id {value} at token {token}, slot {slot}, out of range [0, {num_experts})"
+            " (that slot was dropped)"
+        )
+    return f"gcmoe: topk_weights: holds a non-finite routing weight (NaN or Inf) at token {token}, slot {slot}"
 
 
 def _align(n: int, a: int = 128) -> int:
@@ -63,16 +118,16 @@ class WorkspaceLayout:
             "signals": (SIG_L1_FULL + s.blocks) * 4,
             "pub_x": s.max_tokens * s.hidden,
             "pub_sx": s.max_tokens * (s.hidden // 128) * 4,
-            "pub_ids": s.max_tokens * s.top_k * 4,
-            "pub_w": s.max_tokens * s.top_k * 4,
+            "pub_ids": s.max_tokens * s.slots * 4,
+            "pub_w": s.max_tokens * s.slots * 4,
             "ring_x": s.capacity * s.hidden,
             "ring_sxT": (s.hidden // 128) * s.capacity * 4,
             "ring_w": s.capacity * 4,
             "ring_src": s.capacity * 3 * 4,
             "ring_dst": s.capacity * 4,
-            "ring_offsets": (s.local_experts + 1) * 4,
-            "ring_counts": s.local_experts * 4,
-            "combine": (s.max_tokens * s.top_k + 1) * s.hidden * 2,  # + 1 sink row for masked scatters
+            "ring_offsets": (s.ring_experts + 1) * 4,
+            "ring_counts": s.ring_experts * 4,
+            "combine": (s.max_tokens * s.slots + 1) * s.hidden * 2,  # + 1 sink row for masked scatters
         }
         offsets, at = {}, 0
         for name, n in sizes.items():
@@ -93,18 +148,18 @@ class WorkspaceViews:
     signals: torch.Tensor  # int32 [SIG_L1_FULL + blocks]
     pub_x: torch.Tensor  # uint8 [T_max, H]  (FP8 E4M3 bits)
     pub_sx: torch.Tensor  # fp32 [T_max, H/128]
-    pub_ids: torch.Tensor  # int32 [T_max, k]
-    pub_w: torch.Tensor  # fp32 [T_max, k]
+    pub_ids: torch.Tensor  # int32 [T_max, k + S]  (routed slots, then the shared experts' ids E .. E + S - 1)
+    pub_w: torch.Tensor  # fp32 [T_max, k + S]
     ring_x: torch.Tensor  # uint8 [capacity, H]
     ring_sxT: torch.Tensor  # fp32 [H/128, capacity]
     ring_w: torch.Tensor  # fp32 [capacity]
     ring_src: torch.Tensor  # int32 [capacity, 3]  (src rank, token, slot), -1 for padding
-    ring_dst: torch.Tensor  # int32 [capacity]  row of the source rank's combine buffer (token * k + slot), or
-    # the sink row for padding: what W2's scatter reads
-    ring_offsets: torch.Tensor  # int32 [E/P + 1]
-    ring_counts: torch.Tensor  # int32 [E/P]
-    combine: torch.Tensor  # bf16 [T_max * k + 1, H]: row t * k + j, then one sink row (SINK_ROW) that
-    # a scatter may aim its padding rows at instead of branching; finalize never reads it
+    ring_dst: torch.Tensor  # int32 [capacity]  row of the source rank's combine buffer (token * (k + S) + slot),
+    # or the sink row for padding: what W2's scatter reads
+    ring_offsets: torch.Tensor  # int32 [E/P + S + 1]
+    ring_counts: torch.Tensor  # int32 [E/P + S]
+    combine: torch.Tensor  # bf16 [T_max * (k + S) + 1, H]: row t * (k + S) + j, then one sink row that a
+    # scatter may aim its padding rows at instead of branching; finalize never reads it
 
     @property
     def l1_full(self) -> torch.Tensor:
@@ -117,7 +172,7 @@ class WorkspaceViews:
 
 def _views(buf: torch.Tensor, lay: WorkspaceLayout) -> WorkspaceViews:
     s = lay.spec
-    h, hs, cap, t, k = s.hidden, s.hidden // 128, s.capacity, s.max_tokens, s.top_k
+    h, hs, cap, t, k = s.hidden, s.hidden // 128, s.capacity, s.max_tokens, s.slots
 
     def part(name, dtype, shape):
         n = lay.sizes[name]
@@ -134,8 +189,8 @@ def _views(buf: torch.Tensor, lay: WorkspaceLayout) -> WorkspaceViews:
         ring_w=part("ring_w", torch.float32, (cap,)),
         ring_src=part("ring_src", torch.int32, (cap, 3)),
         ring_dst=part("ring_dst", torch.int32, (cap,)),
-        ring_offsets=part("ring_offsets", torch.int32, (s.local_experts + 1,)),
-        ring_counts=part("ring_counts", torch.int32, (s.local_experts,)),
+        ring_offsets=part("ring_offsets", torch.int32, (s.ring_experts + 1,)),
+        ring_counts=part("ring_counts", torch.int32, (s.ring_experts,)),
         combine=part("combine", torch.bfloat16, (t * k + 1, h)),
     )
 
@@ -161,17 +216,21 @@ class Workspace:
     def base(self) -> int:
         return self.peers[self.rank]
 
+    @property
+    def combine_ptrs(self) -> tuple[int, ...]:
+        """Address of every rank's combine buffer as this process addresses it (the W2 scatter's peer table)."""
+        return tuple(p + self.layout["combine"] for p in self.peers)
+
     @classmethod
     def virtual(cls, spec: RingSpec, device: torch.device | str) -> list[Workspace]:
         """P ranks in this process on one device: separate buffers, each rank's peer table pointing at the others'.
-        The signals start zeroed; the data regions are left uninitialised."""
+        Every buffer starts zeroed (signals at generation 0; ring rows, offsets and counts in range)."""
         lay = WorkspaceLayout(spec)
-        bufs = [torch.empty(lay.nbytes, dtype=torch.uint8, device=device) for _ in range(spec.ranks)]
+        bufs = [torch.zeros(lay.nbytes, dtype=torch.uint8, device=device) for _ in range(spec.ranks)]
         peers = tuple(b.data_ptr() for b in bufs)
         wss = [cls(spec, r, b, peers) for r, b in enumerate(bufs)]
         for ws in wss:
             ws._siblings = wss
-            ws.views.signals.zero_()
         return wss
 
     @classmethod
@@ -190,7 +249,7 @@ class Workspace:
         handle = symm_mem.rendezvous(buf, group.group_name)
         ws = cls(spec, handle.rank, buf, tuple(int(p) for p in handle.buffer_ptrs), group)
         ws._handle = handle  # keeps the peers' mappings alive
-        ws.views.signals.zero_()
+        buf.zero_()
         torch.cuda.synchronize()
         dist.barrier(group)
         return ws
@@ -207,21 +266,20 @@ class Workspace:
 
     def error(self) -> str | None:
         """The recorded wait failure of this rank, in words, or None (reads the device: one sync)."""
-        err = self.views.signals[SIG_ERR : SIG_ERR + ERR_WORDS].tolist()
-        if err[0] == 0:
-            return None
-        _code, kind, rank, gen, seen = err
-        what = ERR_KINDS.get(kind, f"counter kind {kind}")
-        want = f"generation {gen}" if kind == 1 else f"{self.spec.ranks} arrivals for generation {gen}"
-        return (
-            f"gcmoe-comm rank {self.rank}: timed out waiting on rank {rank}'s {what}: wanted {want}, saw {seen}. "
-            "The call's outputs are invalid; every rank must call recover() before the next call"
-        )
+        return error_message(self.views.signals[SIG_ERR : SIG_ERR + ERR_WORDS].tolist(), self.rank, self.spec.ranks)
 
     def check(self) -> None:
         msg = self.error()
         if msg is not None:
             raise CommError(msg)
+
+    def bad_input(self, clear: bool = True) -> str | None:
+        """The first invalid routing entry a publish recorded (since the last clear), in words, or None (one sync)."""
+        words = self.views.signals[SIG_BAD : SIG_BAD + 4]
+        msg = bad_input_message(words.tolist(), self.spec.num_experts)
+        if msg is not None and clear:
+            words.zero_()
+        return msg
 
     def recover(self) -> None:
         """Zero the signals so the ranks restart from generation 0. Collective: with virtual ranks it resets every

@@ -16,7 +16,11 @@ class EnvVar:
 
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("GCMOE_BACKEND", "auto", "force a backend: auto, reference, sm90, sm103"),
-    EnvVar("GCMOE_CACHE_DIR", "~/.cache/gcmoe", "on-disk cache of compiled kernels (keyed on source, config, arch)"),
+    EnvVar(
+        "GCMOE_CACHE_DIR",
+        "~/.cache/gcmoe",
+        "on-disk cache of compiled kernels (keyed on source, config, arch) and of tuned partition policies (tune/)",
+    ),
     EnvVar("GCMOE_ARCH", "(from the device)", "compile target when no GPU is present: sm_90a, sm_100a or sm_103a"),
     EnvVar(
         "GCMOE_CHECK_VALUES", "1", "0: skip the device-read value checks (ids range, finite weights) in eager calls"
@@ -27,6 +31,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "bound on every cross-rank wait in the comm kernels; on expiry the kernel records rank, counter and "
         "generation and the host raises CommError",
     ),
+    EnvVar(
+        "GCMOE_COMM_SMS",
+        "(tuned)",
+        "force the comm partition size in SMs; 0 = no partition. Unset: the policy cached by `gcmoe tune` for the "
+        "device and shape, else the device's default (gcmoe.tune)",
+    ),
 )
 _BY_NAME = {v.name: v for v in ENV_VARS}
 
@@ -35,6 +45,12 @@ def get(name: str) -> str:
     """The variable's value, or its default; unknown names are a programming error."""
     v = _BY_NAME[name]
     return os.environ.get(name, v.default)
+
+
+def get_optional(name: str) -> str | None:
+    """The variable's value, or None when it is unset or blank (for variables whose default is derived)."""
+    _BY_NAME[name]  # unknown names are a programming error, as in get()
+    return os.environ.get(name, "").strip() or None
 
 
 def get_int(name: str) -> int:

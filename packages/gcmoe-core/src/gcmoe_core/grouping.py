@@ -5,7 +5,11 @@ thing captures into a CUDA graph and replays with new routing). Shared by the sm
                                                          # padded to a multiple of n_tile; capacity fixed by T
     acts = prepare_activations(x, topk_weights, layout, top_k)   # FP8 1x128 rows, transposed scales, routing weight
     ids, w = append_shared(topk_ids, topk_weights, E, S)         # shared experts as always-routed slots k..k+S-1
-    y = grouped_forward(x, ids, w, num_routed, num_shared, n_tile, hidden, run_w1, run_w2)   # the whole layer
+    y = grouped_forward(x, ids, w, num_routed, num_shared, n_tile, hidden, run_w1, run_w2)   # on prepared rows
+
+grouped_forward is the one pipeline on prepared rows (torch routing metadata and gathers around two grouped kernels):
+the sm103 backend's layer, and the sm90 kernels' tests and benchmark. The sm90 backend's layer does not use it: its
+rows come from gcmoe-comm's dispatch on the token ring (gcmoe/backends/sm90.py).
 
 Shared experts ride the routed path: expert ids E..E+S-1 are appended to every token's routing with weight 1, so the
 slot-order combine (routed 0..k-1, then shared) matches gcmoe_core.reference in structure.

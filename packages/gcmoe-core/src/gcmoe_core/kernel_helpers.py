@@ -7,6 +7,7 @@ cvt_bf16x2(hi, lo)             two fp32 -> two bf16 (RNE) in one 32-bit word, lo
 bulk_copy_g2s(dst, src, n, mbar)  n bytes global -> this CTA's shared memory by the bulk-copy engine (no tensor map),
                                completing n bytes of transaction on the mbarrier at shared address mbar
 st_cluster_f32(addr, rank, v)  store v at shared address addr of CTA `rank` of this cluster (distributed shared memory)
+ld_cluster_u32(addr, rank)     the 32-bit word at shared address addr of CTA `rank` of this cluster
 fp8_pow2_exponent(amax)        e of the power-of-two FP8 scale, smallest 2^e with amax <= 448 * 2^e, in [-126, 126]
                                (formats.fp8_scale_for_amax, bit-exact; amax = 0 gives e = 0)
 """
@@ -81,6 +82,14 @@ def st_cluster_f32(smem_addr, rank, val, *, loc=None, ip=None):
     CTA of cluster rank `rank` (mapa). Weak: order it with barrier.cluster arrive (release) / wait (acquire)."""
     text = "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $0, $1;\nst.shared::cluster.f32 [ra], $2;\n}"
     inline_ptx(None, [Int32(smem_addr), Int32(rank), Float32(val)], text, "r,r,f,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_cluster_u32(smem_addr, rank, *, loc=None, ip=None):
+    """ld.shared::cluster of one 32-bit word at shared address smem_addr in the CTA of cluster rank `rank` (mapa).
+    Weak: order it after the owner's store with barrier.cluster arrive (release) / wait (acquire)."""
+    text = "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $1, $2;\nld.shared::cluster.u32 $0, [ra];\n}"
+    return Int32(inline_ptx(T.i32(), [Int32(smem_addr), Int32(rank)], text, "=r,r,r,~{memory}", loc, ip))
 
 
 @cute.jit

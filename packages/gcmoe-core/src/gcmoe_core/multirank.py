@@ -48,8 +48,11 @@ def dispatch_reference(
     payloads: list[tuple[torch.Tensor, torch.Tensor | None]],
     num_experts: int,
     rank: int,
+    shared: int = 0,
 ) -> RankDispatch:
-    """What rank `rank` must receive, given every rank's ids and published payloads."""
+    """What rank `rank` must receive, given every rank's routed ids [T, k] and published payloads. shared = S > 0:
+    the shared experts ride the ring as this rank's experts E/P .. E/P + S - 1, fed from its own tokens only
+    (slots k .. k + S - 1 of each of its tokens, as its publish appends them)."""
     p = len(topk_ids)
     el = num_experts // p
     lo = rank * el
@@ -57,10 +60,19 @@ def dispatch_reference(
     for r in range(p):
         ids = topk_ids[r].long()
         t, k = ids.shape
+        if shared and r == rank:
+            extra = torch.arange(num_experts, num_experts + shared, device=ids.device).expand(t, shared)
+            ids = torch.cat((ids, extra), dim=1)
+            k += shared
         tok = torch.arange(t, device=ids.device).unsqueeze(1).expand(t, k)
         slot = torch.arange(k, device=ids.device).unsqueeze(0).expand(t, k)
         mine = (ids >= lo) & (ids < lo + el)
-        e_loc, tt, jj = (ids - lo)[mine], tok[mine], slot[mine]
+        e_of = ids - lo
+        if shared and r == rank:
+            own_shared = ids >= num_experts
+            mine = mine | own_shared
+            e_of = torch.where(own_shared, ids - num_experts + el, e_of)
+        e_loc, tt, jj = e_of[mine], tok[mine], slot[mine]
         keys.append(e_loc * (p * 2**40) + r * 2**40 + tt * 64 + jj)
         srcs.append(torch.stack((torch.full_like(tt, r), tt, jj), dim=1))
         rows.append(payloads[r][0][tt])
@@ -70,8 +82,8 @@ def dispatch_reference(
     order = torch.argsort(key)
     src = torch.cat(srcs)[order].to(torch.int32)
     e_of = (key[order] // (p * 2**40)).long()
-    counts = torch.bincount(e_of, minlength=el).to(torch.int32)
-    offsets = torch.zeros(el + 1, dtype=torch.int32, device=counts.device)
+    counts = torch.bincount(e_of, minlength=el + shared).to(torch.int32)
+    offsets = torch.zeros(el + shared + 1, dtype=torch.int32, device=counts.device)
     offsets[1:] = torch.cumsum(counts, 0)
     return RankDispatch(counts, offsets, src, torch.cat(rows)[order], torch.cat(scales)[order] if scales else None)
 
@@ -81,16 +93,19 @@ def multirank_reference(
     topk_ids: list[torch.Tensor],
     topk_weights: list[torch.Tensor],
     weights_global: MoEWeights,
+    shared_in_ring: bool = False,
 ) -> tuple[list[RankDispatch], list[RankCombine]]:
     """Every rank's expected dispatch result and combine result. weights_global holds all E experts (rank q uses its
-    E/P slice); per-slot rows use the same per-expert functions as moe_reference."""
+    E/P slice); per-slot rows use the same per-expert functions as moe_reference. shared_in_ring: the shared experts
+    ride each rank's ring (its dispatch result includes them, see dispatch_reference)."""
     p = len(xs)
     e = weights_global.num_experts
     if e % p:
         raise ValueError(f"multirank_reference: E = {e} not divisible by P = {p}")
     quant = weights_global.quant
     payloads = [quantize_tokens(x, quant) for x in xs]
-    dispatch = [dispatch_reference(topk_ids, payloads, e, q) for q in range(p)]
+    shared = weights_global.num_shared if shared_in_ring else 0
+    dispatch = [dispatch_reference(topk_ids, payloads, e, q, shared) for q in range(p)]
     x_in = [activation_input(x, quant) for x in xs]
     slot_rows = [
         torch.zeros(*ids.shape, x.shape[1], dtype=torch.bfloat16, device=x.device) for ids, x in zip(topk_ids, xs)

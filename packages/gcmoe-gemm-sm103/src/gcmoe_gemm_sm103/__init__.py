@@ -4,7 +4,9 @@ their K128 prepacker. Compiled and checked offline: no Blackwell GPU is availabl
     prepack.prepack_mxfp4_k128   MXFP4 (or MXFP8) experts -> K128 tiles + tcgen05 scale-factor atoms (exact inverse)
     kernel_grouped               W1 / W2 grouped kernels (kind::mxf8f6f4, block scale 32), compiled for sm_103a/sm_100a
     emulate                      the kernels' tile schedule, indexing and math in torch on the prepacked tensors
-    ops.MoESm103                 the layer around the kernels (or their emulation)
+
+Kernels and their models only: the layer around them (routing, activations, W1, W2, combine) is gcmoe's sm103 backend
+(gcmoe.backends.sm103), which runs either the kernels or, emulated, the models in `emulate`.
 """
 
 __version__ = "0.1.0"

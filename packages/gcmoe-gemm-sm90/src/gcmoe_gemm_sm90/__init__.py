@@ -1,8 +1,13 @@
 """gcmoe-gemm-sm90: FP8 x MXFP4 grouped expert GEMMs for Hopper (sm_90a, CuTe DSL) and their weight prepacker.
+Component package: it exports kernels, configs, the prepacker and torch models, and runs no layer (the operator's
+layer is gcmoe's sm90 backend; the pipeline on prepared rows is gcmoe_core.grouping.grouped_forward).
 
 prepack.prepack_sm90      MXFP4 experts -> per-thread register-fragment order + windowed scales
-kernel_grouped            W1 (+ SwiGLU, routing weight, FP8 requant) and W2 (+ row scatter) grouped kernels
-ops.MoESm90               routing metadata on the GPU, activations, both launches, slot combine (capturable)
+kernel_grouped            W1 (+ SwiGLU, routing weight, FP8 requant) and W2 (+ bf16 rows stored through a peer table)
+                          grouped kernels; ring mode (Sm90Config.ring): bounded acquires of the comm dispatch's signals
+config                    Sm90Config, choose_config (per call size and layer shape), can_implement
+ops                       launch_w1 / launch_w2 (any row source; RingSync for ring mode), w1 / w2 on prepared rows,
+                          MoESm90 (a rank's prepacked weights + config_for), emulate_w1 / emulate_w2 (torch models)
 bench                     python -m gcmoe_gemm_sm90.bench: W1+W2 vs the FP4 floor and torch's grouped GEMMs
 """
 

@@ -1,29 +1,30 @@
 """Benchmark of the sm90 grouped GEMMs (run on an H200): W1+W2 of one EP rank's routed experts, per model shape and
 token count, side by side in one run with the FP4 floor and the torch peers doing the same W1 -> SwiGLU -> W2.
 
-    python -m gcmoe_gemm_sm90.bench --out DIR [--models ...] [--tokens 1 8 32 128 256]
+    python -m gcmoe_gemm_sm90.bench --out DIR [--models ...] [--tokens 1 8 32 128 256] [--variants ...]
 
+Writes DIR/sm90_grouped.json (run metadata + one record per point) and DIR/sm90_grouped.md (the table).
 Per point (CUDA-graph replay, cold L2, medians; variants interleaved A B C A B C):
-    ours_kernels   our W1 + W2 launches on prepared rows (what the operator's compute node runs)
+    ours_kernels   our W1 + W2 launches (ops.launch_w1 / launch_w2, every operand made once) on rows grouped and
+                   quantised beforehand: the kernels' own time, as the operator's compute partition runs them
                    (ours are CUDA-graph replays; the torch peers are launched eagerly, see bench_point: after the
                    read flush's ~57 µs the GPU can wait for their host-side launches, which inflates their times at
                    small T (sm90-grouped-v7); compare against them under --l2-flush write)
     ours_w1        the W1 launch alone (W2's share is the difference)
-    ours_kernels_v4  the same tile and loop with v4's weight stream (each thread's global loads into registers)
-    ours_kernels_no_overlap  the chosen configuration with both subtiles decoded before the window's WGMMAs (ablation)
-    ours_kernels_no_pdl  the chosen configuration launched without programmatic dependent launch (ablation)
-    ours_kernels_<variant>  (--variants) more ablations: stage ablations (Sm90Config.ablate), warpgroups, three
-                   CTAs per SM, decode shifts on the FMA pipe, another N tile n<N> (see variant_config)
+    ours_kernels_<variant>  (--variants, see variant_config) the chosen configuration with one thing changed:
+                   no_overlap, no_pdl (default), grid-row order, 2 / 4 warpgroups, another N tile n<N>
     ours_kernels_splitAB  (T <= --split-sweep) W1 / W2 with A / B K splits instead of the chosen ones
-    ours_layer     + routing metadata, FP8 quantisation of x, and the slot combine (the whole torch-visible layer)
+    ours_layer     + routing metadata, FP8 quantisation of x, and the slot combine: gcmoe_core.grouping's pipeline on
+                   prepared rows around ops.w1 / w2 (the torch-visible layer of the kernels alone; the operator's
+                   layer is gcmoe's sm90 backend, which feeds them from the token ring)
     torch_fp8      torch._scaled_grouped_mm (FP8 rowwise) W1, SwiGLU + routing weight in torch, FP8 requant, W2
     torch_bf16     torch._grouped_mm (BF16) for the same
     floor          active experts x 3 H I x (0.5 + 1/32) B / copy bandwidth measured in this run
     tensor_floor   the point's FP8 tensor work (2 x 3 H I FLOP per expert row: valid rows, and rows padded to the N
                    tile as the kernels run them) / the FP8 GEMM rate measured in this run (torch._scaled_mm, 8192^3)
-    timeline       (--timeline) per-CTA %globaltimer stamps of one cold-L2 replay of W1 + W2 (Sm90Config.trace) and of
-                   the stream ablation: when W1's CTAs start and end, when W2's start, get past their wait for W1 and
-                   end, and what the events see outside the kernels (launch_timeline)
+
+The stage ablations, the v4 register weight stream, three CTAs per SM, the decode's shifts on the FMA pipe and the
+per-CTA launch timelines were measured up to sm90-grouped-v7 (docs/benchmarks) and removed with their kernel switches.
 """
 
 from __future__ import annotations
@@ -36,22 +37,20 @@ from pathlib import Path
 import torch
 
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.grouping import group_rows, prepare_activations
+from gcmoe_core.grouping import group_rows, grouped_forward, prepare_activations
 from gcmoe_core.testing import make_tokens, make_weights
 from gcmoe_core.timing import (
     L2_FLUSHES,
-    ColdL2,
     capture_graph,
     copy_bandwidth,
     fp4_floor_us,
     run_meta,
     time_gpu,
     time_interleaved,
-    time_once,
 )
 
-from .config import N_TILES, can_implement, registers_config, tile_shape, with_splits
-from .ops import MoESm90, trace_shape, w1, w2
+from .config import N_TILES, can_implement, tile_shape, with_splits
+from .ops import MoESm90, launch_w1, launch_w2, w1, w2
 
 MODELS = ("deepseek-v4-flash", "deepseek-v3", "glm-5", "glm-4.5")
 
@@ -95,40 +94,18 @@ class TorchPeer:
         return torch._grouped_mm(hh.to(torch.bfloat16), self.w2, offs=offs_end)
 
 
-VARIANTS = (
-    "v4",
-    "no_overlap",
-    "no_pdl",
-    "in_order",
-    "active_first",
-    "fma_shifts",
-    "wg2",
-    "wg4",
-    "stream",
-    "compute",
-    "no_decode",
-    "no_mma",
-    "occ3",
-    "occ3_compute",
-    *(f"n{n}" for n in N_TILES),
-)
-DEFAULT_VARIANTS = ("v4", "no_overlap", "no_pdl")
+VARIANTS = ("no_overlap", "no_pdl", "in_order", "active_first", "wg2", "wg4", *(f"n{n}" for n in N_TILES))
+DEFAULT_VARIANTS = ("no_overlap", "no_pdl")
 
 
 def variant_config(name: str, kcfg, hidden: int, inter: int):
-    """The configuration of ablation `name` against the chosen kcfg, or None where it does not apply:
-    v4          the same tile and loop with v4's weight stream (registers_config)
+    """The configuration of variant `name` against the chosen kcfg, or None where it does not apply:
     no_overlap  both subtiles decoded before the window's WGMMAs
     no_pdl      launched without programmatic dependent launch
     in_order / active_first  grid row y runs expert y (empty experts' CTAs launch among the others) / the y-th
                 expert with rows (where the chosen configuration has the other)
-    fma_shifts  the decode's right shifts on the FMA pipe (IMAD.HI)
-    wg2 / wg4   for N >= 32 points, 2 or 4 warpgroups (where the chosen configuration has the other)
-    stream / compute / no_decode / no_mma  the stage ablations (Sm90Config.ablate)
-    occ3 / occ3_compute  N <= 16: three CTAs per SM (80 registers, fewer stages), and its compute ablation
+    wg2 / wg4   for N 32-64 points, 2 or 4 warpgroups (where the chosen configuration has the other)
     n<N>        another N tile (with its tile_shape), e.g. n64 for the v5 choice at 128-256 tokens"""
-    if name == "v4":
-        return registers_config(kcfg)
     if name == "no_overlap":
         return dataclasses.replace(kcfg, overlap=False)
     if name == "no_pdl":
@@ -136,20 +113,11 @@ def variant_config(name: str, kcfg, hidden: int, inter: int):
     if name in ("in_order", "active_first"):
         first = name == "active_first"
         return None if kcfg.active_first == first else dataclasses.replace(kcfg, active_first=first)
-    if name == "fma_shifts":
-        return dataclasses.replace(kcfg, fma_shifts=True)
     if name in ("wg2", "wg4"):
         wgs = int(name[2])
         if kcfg.n_tile < 32 or kcfg.n_tile > 64 or kcfg.warpgroups == wgs:
             return None
         return with_splits(dataclasses.replace(kcfg, warpgroups=wgs, occupancy=1), kcfg.splits, hidden, inter)
-    if name in ("stream", "compute", "no_decode", "no_mma"):
-        return dataclasses.replace(kcfg, ablate=name)
-    if name in ("occ3", "occ3_compute"):
-        if kcfg.n_tile > 16:
-            return None
-        c = with_splits(dataclasses.replace(kcfg, occupancy=3), kcfg.splits, hidden, inter)
-        return dataclasses.replace(c, ablate="compute") if name == "occ3_compute" else c
     if name.startswith("n") and name[1:].isdigit() and int(name[1:]) in N_TILES:
         n = int(name[1:])
         if n == kcfg.n_tile:
@@ -170,61 +138,42 @@ def fp8_gemm_rate(n: int = 8192) -> float:
     return 2 * n**3 / (t["median_us"] * 1e-6)
 
 
-def _timeline_summary(tr1: torch.Tensor, tr2: torch.Tensor, event_us: float) -> dict:
-    """µs from W1's first CTA start, over CTAs with work (n tiles > 0) for the ends and the W2 waits."""
-    t0 = int(tr1[:, 0].min())
-    us = lambda v: (int(v) - t0) / 1e3
-    a1, a2 = tr1[(tr1[:, 3] & 0xFFFFFFFF) > 0], tr2[(tr2[:, 3] & 0xFFFFFFFF) > 0]
-    stamps = torch.cat([tr1[:, :3].reshape(-1), tr2[:, :3].reshape(-1)]).unique()
-    return {
-        "event_us": event_us,
-        "w1_last_start": us(tr1[:, 0].max()),
-        "w1_first_end": us(a1[:, 2].min()),
-        "w1_last_end": us(a1[:, 2].max()),
-        "w1_cta_median_us": float((a1[:, 2] - a1[:, 1]).double().median()) / 1e3,
-        "w2_first_start": us(tr2[:, 0].min()),
-        "w2_first_go": us(a2[:, 1].min()),
-        "w2_last_go": us(a2[:, 1].max()),
-        "w2_last_start": us(tr2[:, 0].max()),
-        "w2_last_end": us(a2[:, 2].max()),
-        "w2_cta_median_us": float((a2[:, 2] - a2[:, 1]).double().median()) / 1e3,
-        "outside_us": event_us - us(a2[:, 2].max()),  # graph entry + exit as the events see them
-        "ctas_with_work": [len(a1), len(a2)],
-        "stamp_step_ns": int(stamps.diff().min()) if stamps.numel() > 1 else 0,  # %globaltimer granularity seen
-    }
-
-
-def kernels_for(moe: MoESm90, x, w, ids, mcfg: MoEConfig, c, out, traces=(None, None)):
+def kernels_for(moe: MoESm90, x, w, ids, mcfg: MoEConfig, c, out):
     """(run, layout): our W1 + W2 launches with configuration c on rows grouped and quantised for its N tile outside
-    (the compute node's work); run(w1_only=True) launches W1 alone. traces: with c.trace, the two trace buffers."""
+    (the compute partition's work), every operand made here once; run(w1_only=True) launches W1 alone. W2 stores row
+    i to out[layout.src_slot[i]] (a one-entry peer table: every row to "rank 0", out). The closure owns the rows and
+    buffers: keep it alive as long as a graph captured from it."""
     layout = group_rows(ids, mcfg.num_experts, c.n_tile)
     acts = prepare_activations(x, w, layout, mcfg.top_k)
+    rows, dev = layout.rows, x.device
+    hq = torch.empty(rows, moe.inter, dtype=torch.uint8, device=dev)
+    hsT = torch.empty(2 * moe.inter // 256, rows, dtype=torch.float32, device=dev)
+    src = torch.zeros(rows, 3, dtype=torch.int32, device=dev)
+    comb = torch.tensor([out.data_ptr()], dtype=torch.int64, device=dev)
+    offs, cnt = layout.offsets, layout.counts
 
     def run(w1_only=False):
-        hq, hsT = w1(moe.w13, acts, layout, c, traces[0])
+        launch_w1(moe.w13, acts.x_rows, acts.sxT, acts.route_w, offs, cnt, hq, hsT, c)
         if not w1_only:
-            w2(moe.w2, hq, hsT, layout, out, c, traces[1])
+            launch_w2(moe.w2, hq, hsT, offs, cnt, layout.src_slot, src, comb, c)
 
     return run, layout
 
 
-def launch_timeline(
-    moe: MoESm90, x, w, ids, mcfg: MoEConfig, kcfg, out, reps: int = 5, l2_flush: str = "write"
-) -> dict:
-    """_timeline_summary of the cold-L2 replay (of `reps`) with the median event time, W1 + W2 with kcfg traced."""
-    c = dataclasses.replace(kcfg, trace=True)
-    tr = [
-        torch.zeros(trace_shape(m, p, c), dtype=torch.int64, device="cuda")
-        for m, p in (("w1", moe.w13), ("w2", moe.w2))
-    ]
-    run = kernels_for(moe, x, w, ids, mcfg, c, out, tr)[0]  # (owns the rows the graph reads: kept alive with it)
-    g = _graph(run)
-    flush = ColdL2(torch.device("cuda"), l2_flush)
-    runs = []
-    for _ in range(reps):
-        event_us = time_once(g.replay, flush)  # (the stamps are read after the replay)
-        runs.append(_timeline_summary(tr[0].cpu(), tr[1].cpu(), event_us))
-    return {**sorted(runs, key=lambda r: r["event_us"])[len(runs) // 2], "reps": reps}
+def layer_for(moe: MoESm90, x, w, ids, c):
+    """The torch-visible layer of the kernels on prepared rows (gcmoe_core.grouping.grouped_forward around w1 / w2):
+    routing metadata, FP8 quantisation, W1, W2, slot combine; -> y bf16 [T, H]."""
+    return grouped_forward(
+        x,
+        ids,
+        w,
+        moe.num_routed,
+        moe.num_shared,
+        c.n_tile,
+        moe.hidden,
+        lambda acts, lay: w1(moe.w13, acts, lay, c),
+        lambda hq, hs, lay, out: w2(moe.w2, hq, hs, lay, out, c),
+    )
 
 
 def bench_point(
@@ -237,7 +186,6 @@ def bench_point(
     split_sweep: bool,
     variant_names=DEFAULT_VARIANTS,
     fp8_rate: float | None = None,
-    timeline: bool = False,
     l2_flush: str = "write",
 ) -> dict:
     cfg = MoEConfig.ep_slice(model, ep, max_tokens_per_rank=max(256, tokens), num_shared_experts=0)
@@ -252,9 +200,9 @@ def bench_point(
     graphs = {
         "ours_kernels": _graph(run),
         "ours_w1": _graph(lambda: run(w1_only=True)),
-        "ours_layer": _graph(lambda: moe.forward(x, ids, w)),
+        "ours_layer": _graph(lambda: layer_for(moe, x, w, ids, kcfg)),
     }
-    # ablations, timed interleaved with the chosen configuration (--variants)
+    # variants, timed interleaved with the chosen configuration (--variants)
     # (each variant's closure owns its rows: keep it alive as long as its graph, which only holds their addresses)
     variants = {
         f"ours_kernels_{name}": kernels_for(moe, x, w, ids, cfg, c, out)[0]
@@ -283,7 +231,7 @@ def bench_point(
         "splits": list(kcfg.splits),
         "occupancy": kcfg.occupancy,
         "warpgroups": kcfg.warpgroups,
-        "tma_weights": kcfg.tma_weights,
+        "active_first": kcfg.active_first,
         "active_experts": int(torch.unique(ids).numel()),
         "max_rows_per_expert": int(layout.counts.max()),
     }
@@ -323,11 +271,6 @@ def bench_point(
             tensor_floor_padded_us=padded * flop_per_row / fp8_rate * 1e6,
         )
         rec["tensor_x_floor"] = rec["tensor_floor_us"] / floor
-    if timeline:
-        rec["timeline"] = {
-            name: launch_timeline(moe, x, w, ids, cfg, c, out, l2_flush=l2_flush)
-            for name, c in (("kernels", kcfg), ("stream", dataclasses.replace(kcfg, ablate="stream")))
-        }
     return rec
 
 
@@ -340,8 +283,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--split-sweep", type=int, default=8, help="time other K splits up to this token count")
-    ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=VARIANTS, help="ablations to time")
-    ap.add_argument("--timeline", action="store_true", help="per-CTA launch timelines (launch_timeline)")
+    ap.add_argument(
+        "--variants", nargs="*", default=list(DEFAULT_VARIANTS), choices=VARIANTS, help="variant_config names to time"
+    )
     ap.add_argument(
         "--l2-flush",
         default="read",
@@ -367,7 +311,6 @@ def main(argv=None) -> int:
                 t <= args.split_sweep,
                 args.variants,
                 rate,
-                args.timeline,
                 args.l2_flush,
             )
             torch.cuda.empty_cache()  # the point's weights and graphs are gone with its frame
@@ -413,23 +356,6 @@ def main(argv=None) -> int:
     if sweep:
         rows += ["", "K splits (W1 W2): µs of the chosen and of the others", "", "| model | T | chosen | µs | others |"]
         rows += ["| --- | --- | --- | --- | --- |", *sweep]
-    tl_keys = ("event_us", "w1_last_start", "w1_first_end", "w1_last_end", "w1_cta_median_us", "w2_first_start")
-    tl_keys += ("w2_first_go", "w2_last_go", "w2_last_end", "w2_cta_median_us", "outside_us")
-    lines = [
-        f"| {r['model']} | {r['tokens']} | {name} | " + " | ".join(f"{tl[k]:.1f}" for k in tl_keys) + " |"
-        for r in recs
-        for name, tl in r.get("timeline", {}).items()
-    ]
-    if lines:
-        rows += [
-            "",
-            "Launch timelines (µs from W1's first CTA start; one cold-L2 replay, the median of 5 by event time)",
-            "",
-            "| model | T | run | events µs | W1 last start | W1 first end | W1 last end | W1 CTA median |"
-            " W2 first start | W2 first go | W2 last go | W2 last end | W2 CTA median | outside kernels |",
-            "|" + " --- |" * 14,
-            *lines,
-        ]
     md = (
         f"# sm90 grouped FP8×MXFP4 GEMMs — {meta['device']}, {meta['date']}\n\n"
         f"torch {meta['torch']}, cutlass-dsl {meta['cutlass_dsl']}, copy bandwidth {meta['copy_tb_s']:.2f} TB/s; "

@@ -2,37 +2,33 @@
 
 n_tile     tokens per WGMMA N tile (a multiple of 8 up to N_MAX = 80): an expert with more tokens runs several N tiles,
            each re-reading its weights; the activation rows of every expert are padded to a multiple of n_tile
-stages     shared-memory stages of the TMA pipeline, one 128-K window each (activations; with tma_weights also the
-           window's weights and scale records)
-prefetch   tma_weights: windows decoded per loop iteration (1, 2 or 4); registers: 128-K windows of weights each
-           thread keeps in flight in registers (2 or 4); divides K/128
-occupancy  CTAs per SM the register budget is sized for (1: up to 255 registers, 2: up to 128; 3: up to 80, an ablation
-           only: it spills outside the main loop and measured slower, sm90-grouped-v6 run B)
+stages     shared-memory stages of the TMA pipeline, one 128-K window each: the window's activation box, 16 KB of
+           weights and 1 KB of scale records, all arriving by TMA / bulk copy on the stage's mbarrier
+prefetch   windows decoded per loop iteration (1, 2 or 4); divides K/128
+occupancy  CTAs per SM the register budget is sized for (1: up to 255 registers, 2: up to 128)
 smem_scales  stage each N tile's activation scales (all windows) in shared memory once, instead of a global load per
-           window inside the mainloop (False: the v2 kernel, kept for the ablation)
-tma_weights  the weights and scale records of each window arrive in the pipeline's shared-memory stage by one bulk copy
-           (v5: bytes in flight = stages x 17 KB per CTA, no registers held); False: each thread's 16-byte global loads
-           `prefetch` windows ahead into registers (v4, kept for the ablation)
+           window inside the mainloop (4-5 % faster at N 16, 2-4 % slower at N 8: chosen per N tile)
 overlap    decode subtile 1 of a window while subtile 0's WGMMAs run (False: decode both, then issue all 8)
 pdl        programmatic dependent launch: W2's CTAs start in W1's tail and stream their first weight stages before
            waiting for W1 (griddepcontrol); W1 waits for its producer before reading anything
 splits     (W1, W2) K splits: S CTAs of one thread-block cluster each stream 1/S of a tile's K windows; the S - 1
            others push their partial sums into the leader's shared memory, which adds them in split order and runs
-           the epilogue (more CTAs when there are fewer tiles than SM slots; tma_weights only)
+           the epilogue (more CTAs when there are fewer tiles than SM slots)
 warpgroups 2: 256 threads, each warpgroup two 64-row subtiles of its 128 rows (decode of one overlaps the other's
            WGMMAs); 4: 512 threads, one subtile each (half the accumulator registers per thread, twice the warps per
            SM at one CTA per SM: for N >= 32, where two subtiles' accumulators allow only one 256-thread CTA per SM)
-fma_shifts the decode's right shifts (LUT offsets, high code half) as mul.hi on the FMA pipe (IMAD.HI) instead of SHF
-           on the ALU pipe: 32 of ~140 ALU instructions per window move, yet it is 1-7 % slower (H200, 2026-11-29,
-           sm90-grouped-v6 run F): off, kept for the ablation
-ablate     stage ablation for the benchmark, never for results: "stream" runs the pipeline (bulk copies, TMA, waits,
-           releases, epilogue) without decode, WGMMA or promotion; "compute" runs everything but copies no weight or
-           scale bytes (decode and WGMMA on whatever the stages hold); "no_decode": no weight shared loads or decode
-           (WGMMAs on zero fragments); "no_mma": decode, no WGMMA (the fragments kept alive). "" (default): the kernel
 active_first  grid row y runs the y-th expert that has rows (a ballot over the counts in each warp), so the CTAs of
-           empty experts launch after every CTA with work; False: row y runs expert y (an ablation)
-trace      each CTA records %globaltimer at its start, when its producer dependency is met (after griddepcontrol.wait)
-           and at its end, and its %smid, into a trace buffer (the benchmark's launch timelines; results unchanged)
+           empty experts launch after every CTA with work; False: row y runs expert y
+ring       the kernels run beside gcmoe-comm's dispatch on the token ring (the operator's path): before reading the
+           row layout each CTA acquires the workspace's INUSE == its call's ticket and OFFS == CGEN + 1 (the ring
+           offsets and counts of this call), W1 acquires the L1_FULL tag of every ring block of its expert before
+           loading activations, every wait bounded and failing into the workspace's ERR words; W2 skips its stores
+           once ERR is set. False: rows prepared beforehand (benchmarks, kernel tests)
+ring_bm    rows per ring block (gcmoe-comm's BM): the grain of the L1_FULL tags; expert row offsets are multiples
+           of it, not of the N tile (the TMA boxes start at any row)
+
+Measured and removed (git history and docs/benchmarks keep them): the v4 register weight stream, three CTAs per SM,
+the decode's shifts on the FMA pipe, the stage ablations and per-CTA trace stamps (sm90-grouped-v5 .. v7 records).
 """
 
 from __future__ import annotations
@@ -43,7 +39,6 @@ from math import ceil, sqrt
 
 N_TILES = (8, 16, 24, 32, 40, 48, 56, 64, 72, 80)
 N_MAX = N_TILES[-1]  # two 64-row subtiles' accumulators of N = 80 fill 255 registers (N = 96 spills)
-ABLATIONS = ("", "stream", "compute", "no_decode", "no_mma")
 WINDOW_K = 128
 TILE_M = 256
 WINDOW_WEIGHT_BYTES = TILE_M * WINDOW_K // 2  # one CTA tile's FP4 weights of one 128-K window (16 KB)
@@ -60,51 +55,43 @@ SMEM_PER_SM = 228 * 1024  # H100 / H200: 227 KB usable by one CTA, 1 KB reserved
 class Sm90Config:
     n_tile: int = 8
     stages: int = 4
-    prefetch: int = 4
+    prefetch: int = 2
     occupancy: int = 1
     smem_scales: bool = True
-    tma_weights: bool = True
     splits: tuple[int, int] = (1, 1)
     overlap: bool = True
     pdl: bool = True
     warpgroups: int = 2
-    fma_shifts: bool = False
-    ablate: str = ""
     active_first: bool = True
-    trace: bool = False
+    ring: bool = False
+    ring_bm: int = 8
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:
             raise ValueError(f"Sm90Config: n_tile must be one of {N_TILES}, got {self.n_tile}")
         if self.stages < 2 or self.stages > 8:
             raise ValueError(f"Sm90Config: stages must be in 2..8, got {self.stages}")
-        if self.prefetch not in ((1, 2, 4) if self.tma_weights else (2, 4)):
-            raise ValueError(f"Sm90Config: prefetch must be 2 or 4 (1 too with tma_weights), got {self.prefetch}")
+        if self.prefetch not in (1, 2, 4):
+            raise ValueError(f"Sm90Config: prefetch must be 1, 2 or 4, got {self.prefetch}")
         if any(sp not in (1, 2, 4) for sp in self.splits) or len(self.splits) != 2:
             raise ValueError(f"Sm90Config: splits must be two of 1, 2, 4 (W1, W2), got {self.splits}")
-        if self.splits != (1, 1) and not self.tma_weights:
-            raise ValueError("Sm90Config: K splits need tma_weights")
         if self.warpgroups not in (2, 4):
             raise ValueError(f"Sm90Config: warpgroups must be 2 or 4, got {self.warpgroups}")
-        if self.warpgroups == 4 and (not self.tma_weights or self.occupancy != 1):
-            raise ValueError(
-                "Sm90Config: 4 warpgroups need tma_weights and occupancy 1 (512 threads, <= 128 registers)"
-            )
-        if self.ablate not in ABLATIONS:
-            raise ValueError(f"Sm90Config: ablate must be one of {ABLATIONS}, got {self.ablate!r}")
-        if self.ablate and not self.tma_weights:
-            raise ValueError("Sm90Config: the stage ablations need tma_weights")
-        if self.occupancy not in (1, 2, 3):
-            raise ValueError(f"Sm90Config: occupancy must be 1, 2 or 3, got {self.occupancy}")
+        if self.warpgroups == 4 and self.occupancy != 1:
+            raise ValueError("Sm90Config: 4 warpgroups need occupancy 1 (512 threads, <= 128 registers)")
+        if self.occupancy not in (1, 2):
+            raise ValueError(f"Sm90Config: occupancy must be 1 or 2, got {self.occupancy}")
+        if self.ring_bm < 8 or self.ring_bm % 8:
+            raise ValueError(f"Sm90Config: ring_bm must be a positive multiple of 8, got {self.ring_bm}")
 
 
 def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1) -> int:
     """Shared memory of one CTA of the kernel for reduction length k with `splits` K splits (the kernel's Shared
     struct, plus alignment)."""
     n, nw = cfg.n_tile, k // WINDOW_K
-    stage = n * WINDOW_K + (WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES if cfg.tma_weights else 0)
+    stage = n * WINDOW_K + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES
     red = 4 * n * 4 * cfg.warpgroups  # the W1 epilogue's per-warp amax
-    fixed = 16 * cfg.stages + 128 + red + (4 * nw * n if cfg.smem_scales else 4) + 1024 + 128 + 16
+    fixed = 16 * cfg.stages + 128 + 16 + red + (4 * nw * n if cfg.smem_scales else 4) + 1024 + 128 + 16
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)
 
 
@@ -174,27 +161,6 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
     k_max, s_max = max(hidden, inter), max(splits)
     fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k_max, s_max) <= smem_limit(cfg.occupancy)]
     return replace(cfg, stages=max(fits))
-
-
-def registers_config(cfg: Sm90Config) -> Sm90Config | None:
-    """The same tile with v4's weight stream (each thread's 16-byte global loads, 2 windows ahead in registers, 4
-    activation stages, 2 warpgroups), for the ablation, in the form that compiles clean (no spills, no serialised
-    WGMMAs; checked offline): from N = 48 without the subtile overlap (with it the register prefetch runs out of
-    registers, ptxas C7519 / C7513); one CTA per SM (at 128 registers it spills: from N = 16 since the v5 loop, at
-    N = 8 since the active-expert lookup). None above N = 64 (the register prefetch does not fit beside two subtiles'
-    accumulators)."""
-    if cfg.n_tile > 64:
-        return None
-    return replace(
-        cfg,
-        tma_weights=False,
-        stages=4,
-        prefetch=2,
-        splits=(1, 1),
-        warpgroups=2,
-        overlap=cfg.n_tile < 48,
-        occupancy=1,
-    )
 
 
 def can_implement(

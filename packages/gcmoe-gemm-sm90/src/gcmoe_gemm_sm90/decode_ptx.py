@@ -43,29 +43,19 @@ lop3.b32 $1, pos, msk, 0x80808080, 0xF8;
 #   SIGN_BITS[n] = bit of value n's sign.  7 instructions per 8 values:
 #   magnitude: prmt over the LUT with the low 3 bits of each nibble (low word: nibbles 0-3, high: 4-7 after >> 16);
 #   sign:      low word: (word << 4) & 0x80808080, high word: word & 0x80808080, merged by the same lop3.
-#   ptxas puts shl on the FMA pipe (IMAD.SHL); decode8_split_sign_ptx("fma") moves idx >> 16 there too (mul.hi.u32,
-#   IMAD.HI), which measured slower (Sm90Config.fma_shifts).
+#   ptxas puts shl on the FMA pipe (IMAD.SHL); moving idx >> 16 there too (mul.hi.u32) measured slower (sm90-grouped-v6
+#   run F).
 SIGN_BITS = (3, 11, 19, 27, 7, 15, 23, 31)
-SHIFT16_PTX = {  # idx >> 16: on the ALU pipe (SHF) or the FMA pipe (IMAD.HI)
-    "alu": "shr.u32 idxh, idx, 16;",
-    "fma": "mul.hi.u32 idxh, idx, 65536;",
-}
-
-
-def decode8_split_sign_ptx(shift_pipe: str = "alu") -> str:
-    return f"""{{
+DECODE8_SPLIT_SIGN_PTX = """{
 .reg .b32 idx, idxh, w4, pos;
 and.b32 idx, $2, 0x77777777;
 shl.b32 w4, $2, 4;
 prmt.b32 pos, $3, $4, idx;
 lop3.b32 $0, pos, w4, 0x80808080, 0xF8;
-{SHIFT16_PTX[shift_pipe]}
+shr.u32 idxh, idx, 16;
 prmt.b32 pos, $3, $4, idxh;
 lop3.b32 $1, pos, $2, 0x80808080, 0xF8;
-}}"""
-
-
-DECODE8_SPLIT_SIGN_PTX = decode8_split_sign_ptx()
+}"""
 
 
 def _prmt(a: int, b: int, sel: int) -> int:

@@ -4,7 +4,8 @@ scatter), one expert per grid column, register-A WGMMA with the FP4 -> E4M3 deco
     for each expert e, CTA tile mt (256 weight rows), N tile nt of the expert's tokens:
         acc[256, N] = sum_w  2^(base[:, w] - 127) * sx[:, w] * (decode(Wq[e, mt, w]) @ X[rows, 128 w : 128 w + 128]^T)
     W1 epilogue: h = silu(acc[gate rows]) * acc[up rows] * route_w -> FP8 E4M3 per token per 128 columns (+ scale)
-    W2 epilogue: out[dst[row], 256 mt + m] = bf16(acc[m, token])
+    W2 epilogue: rank src[row, 0]'s output rows: (comb[src[row, 0]] as bf16 [*, M])[dst[row], 256 mt + m] =
+                 bf16(acc[m, token]) — comb is the combine-buffer peer table (one entry: a local output)
 
 Threads (cfg.warpgroups): 2 warpgroups, warpgroup j owns rows [128 j, 128 j + 128) of the tile as 2 WGMMA subtiles of
 64 rows; or 4 warpgroups (N 32-64: half the accumulator registers per thread, 16 warps per SM at one CTA per SM),
@@ -12,10 +13,12 @@ warpgroup q owns subtile q % 2 of those rows of j = q // 2. The prepacked fragme
 mapping are the same in both.
 Pipeline (PipelineTmaAsync, `stages` deep, one 128-K window per stage): warp 0 (the whole warp: the arrive and the TMA
 issue elect one lane with elect.sync, which hangs if only one lane runs it) fills a stage with the window's activation
-box by TMA and, with tma_weights, the window's 16 KB of prepacked weights and 1 KB of scale records by one bulk copy
-each, all on the stage's mbarrier. Every thread reads its own weight fragments from the stage with 16-byte shared loads
-(conflict-free), decodes them in registers (decode_ptx: split-sign layout, per-group LUT from shared memory) and issues
-m64nNk32 WGMMAs with A from registers and B (tokens) from the stage. Each window's WGMMAs accumulate into a window
+box by TMA and the window's 16 KB of prepacked weights and 1 KB of scale records by one bulk copy each, all on the
+stage's mbarrier. The activation boxes start at the expert's first row (any multiple of 8: a TMA box reaches into
+the next expert's rows or past the end, which reads zeros; those token columns are computed and never stored).
+Every thread reads its own weight fragments from the stage with 16-byte shared loads (conflict-free), decodes them
+in registers (decode_ptx: split-sign layout, per-group LUT from shared memory) and issues m64nNk32 WGMMAs with A from
+registers and B (tokens) from the stage. Each window's WGMMAs accumulate into a window
 accumulator that is then promoted into the main accumulator with the window's weight base scale and the tokens'
 activation scales (two-level FP32 accumulation).
 
@@ -30,6 +33,14 @@ PDL (cfg.pdl): W1 waits for its producer (griddepcontrol.wait) before reading an
 stages' weights (which no earlier kernel writes) before waiting for W1, so its CTAs stream weights in W1's tail. Both
 let their dependents launch right after their own wait (so a dependent may read what was written before its producer).
 
+Ring mode (cfg.ring, the operator's path beside gcmoe-comm's dispatch on the other partition): each CTA first
+acquires INUSE == ticket (its call holds the workspace), reads g = CGEN + 1 and acquires OFFS == g (dispatch wrote
+the ring's offsets and counts of call g) — every wait bounded by timeout_ns and ended early by a non-zero ERR word,
+a failed wait recorded there (gcmoe_core.signals kinds) and the CTA then doing nothing. W1 acquires L1_FULL[b] == g of
+every ring block of its expert after issuing its first weight stages and before its first activation box; W2 reads
+ERR again before its stores and stores nothing once it is set. The words' addresses come by value (sig: INUSE, CGEN,
+OFFS, ERR, L1_FULL), so this package knows nothing of the workspace layout.
+
 Inputs (see ops.py for how they are made):
     wq     int32 [E*MT*W*8, 128, 4]   prepacked weights (prepack.PackedSm90.data)
     ws     int32 [E*MT*W, 256]         windowed scale records (prepack.PackedSm90.scales)
@@ -39,18 +50,11 @@ Inputs (see ops.py for how they are made):
     cnt    int32 [E]                   valid rows of each expert
     lut    int32 [32]                  LUT[dd] words (prepack.lut_words)
     W1: rw fp32 [R] routing weight per row; hq uint8 [R, M/2] FP8 intermediate; hsT fp32 [M/256, R] its scales
-    W2: dst int32 [R] output row per input row; out bf16 [R_out, M]
-    trace int64 [CTAs, 4]             cfg.trace: per CTA (start, dependency met, end) %globaltimer, smid << 32 | N tiles
+    W2: dst int32 [R] output row per input row; src int32 [R, 3] its (rank, token, slot); comb int64 [P] the output
+        buffer (bf16 [*, M]) of every rank
 Grid [M tiles, E, K splits]: with cfg.active_first, grid row y runs the y-th expert that has rows (a ballot over cnt in
 every warp), so the CTAs of empty experts launch after all CTAs with work (1.04-1.12x at one token per rank, where
 75-80 % of the experts are empty; 0.97-1.0x when nearly all have rows: sm90-grouped-v7); else row y runs expert y.
-
-Known near-copy: load_window_smem and load_window index the same fragments from a stage and from global memory.
-Viewing the stages as [8 stage + fragment, thread, word] / [stage, row] lets load_window serve both (same offsets),
-but it changes the schedule (W2 N 16: 1,160 -> 1,168 SASS instructions), so the fold waits for a GPU run.
-
-Stage ablations for the benchmark (cfg.ablate): no decode / WGMMA / promotion ("stream"), no weight bytes ("compute"),
-no decode ("no_decode"), no WGMMA ("no_mma"); never for results.
 
 Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
 """
@@ -59,18 +63,19 @@ Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
 from functools import cache
 
 from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
+from gcmoe_core.device_ops import ld_acquire_u32, ld_u32, record_error, st_bf16, wait_until_eq
 from gcmoe_core.kernel_helpers import (
     bits_to_f32,
     bulk_copy_g2s,
     cvt_e4m3x2,
-    fake_epilogue_args,
     fp8_pow2_exponent,
-    inline_ptx,
+    ld_cluster_u32,
     st_cluster_f32,
 )
+from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS
 
 from .config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement
-from .decode_ptx import decode8_split_sign_ptx
+from .decode_ptx import DECODE8_SPLIT_SIGN_PTX
 from .kernel_decode import decode8
 
 cutlass, cute = cutlass_modules()
@@ -81,29 +86,11 @@ import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass import runtime as crt  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
-from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
-Int32, Float32 = cutlass.Int32, cutlass.Float32
+Int32, Int64, Float32 = cutlass.Int32, cutlass.Int64, cutlass.Float32
 WINDOW_K = 128
 TILE_M = 256
-
-
-@dsl_user_op
-def shr_u32_imad(x, k: int, *, loc=None, ip=None):
-    """x >> k (logical, 1 <= k <= 31) as mul.hi.u32 x, 2^(32 - k): IMAD.HI on the FMA pipe instead of SHF on the ALU
-    pipe (the fma_shifts ablation)."""
-    if not 1 <= k <= 31:
-        raise ValueError(f"shift {k} outside 1..31")
-    return Int32(inline_ptx(T.i32(), [Int32(x)], f"mul.hi.u32 $0, $1, {1 << (32 - k)};", "=r,r", loc, ip, False))
-
-
-@dsl_user_op
-def keep_alive4(a, b, c, d, never, *, loc=None, ip=None):
-    """Four 32-bit values stored to shared memory under a predicate that is false at run time (`never` == 0): they
-    must be computed, at the cost of one predicated-off store (the no_mma ablation; ptxas drops values whose only
-    reader is an empty asm block)."""
-    text = "{\n.reg .pred p;\nsetp.ne.s32 p, $4, 0;\n@p st.shared.v4.b32 [$4], {$0, $1, $2, $3};\n}"
-    inline_ptx(None, [Int32(a), Int32(b), Int32(c), Int32(d), Int32(never)], text, "r,r,r,r,r", loc, ip)
+SIG_WORDS = 5  # the ring-mode signal addresses: INUSE, CGEN, OFFS, ERR, L1_FULL
 
 
 class GroupedGemmSm90:
@@ -138,12 +125,13 @@ class GroupedGemmSm90:
         ep_a: cute.Tensor,
         ep_b: cute.Tensor,
         ep_c: cute.Tensor,
-        trace: cute.Tensor,
+        sig: tuple,
+        ticket: Int32,
+        timeout_ns: Int64,
         num_experts: Int32,
         stream: cuda.CUstream,
     ):
         f8 = cutlass.Float8E4M3FN
-        tma_w = self.cfg.tma_weights
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             f8,
             f8,
@@ -161,26 +149,40 @@ class GroupedGemmSm90:
             cpasync.CopyBulkTensorTileG2SOp(), x, b_smem_one, (self.n, WINDOW_K)
         )
 
-        w_words = WINDOW_WEIGHT_BYTES // 4 * self.stages if tma_w else 4
-        s_words = WINDOW_SCALE_BYTES // 4 * self.stages if tma_w else 4
         part_words = (self.splits - 1) * self.n * TILE_M if self.splits > 1 else 4  # the tile's 256 x N per split
 
         @cute.struct
         class Shared:
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             lut: cute.struct.MemRange[Int32, 32]
+            flag: cute.struct.MemRange[Int32, 4]
             red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
             ssx: cute.struct.MemRange[Float32, self.windows * self.n if self.cfg.smem_scales else 1]
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
-            # tma_weights: each stage's window of weights [8 fragments][128 threads][16 B] and scale records [256]
-            sW: cute.struct.Align[cute.struct.MemRange[Int32, w_words], 128]
-            sS: cute.struct.Align[cute.struct.MemRange[Int32, s_words], 16]
+            # each stage's window of weights [8 fragments][128 threads][16 B] and scale records [256]
+            sW: cute.struct.Align[cute.struct.MemRange[Int32, WINDOW_WEIGHT_BYTES // 4 * self.stages], 128]
+            sS: cute.struct.Align[cute.struct.MemRange[Int32, WINDOW_SCALE_BYTES // 4 * self.stages], 16]
             # K splits: partial accumulators the cluster's other CTAs push to the leader, [split - 1][i][thread]
             part: cute.struct.Align[cute.struct.MemRange[Float32, part_words], 16]
 
         self.shared = Shared
         self.kernel(
-            wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, trace, tiled_mma, b_smem_staged
+            wq,
+            ws,
+            tma_atom,
+            tma_x,
+            sxT,
+            offs,
+            cnt,
+            lut,
+            ep_a,
+            ep_b,
+            ep_c,
+            sig,
+            ticket,
+            timeout_ns,
+            tiled_mma,
+            b_smem_staged,
         ).launch(
             grid=[self.m_tiles, num_experts, self.splits],
             block=[self.threads, 1, 1],
@@ -206,12 +208,13 @@ class GroupedGemmSm90:
         ep_a: cute.Tensor,
         ep_b: cute.Tensor,
         ep_c: cute.Tensor,
-        trace: cute.Tensor,
+        sig: tuple,
+        ticket: Int32,
+        timeout_ns: Int64,
         tiled_mma: cute.TiledMma,
         b_smem_staged: cute.ComposedLayout,
     ):
         n_tile, depth = self.n, self.prefetch
-        work = self.cfg.ablate != "stream"  # (the "stream" ablation: no decode, WGMMA or promotion)
         nw = self.nwk  # windows of this CTA: [w_lo, w_lo + nw) of the tile's K (all of them without K splits)
         tidx, _, _ = cute.arch.thread_idx()
         mt, ey, ks = cute.arch.block_idx()  # ks: K split = rank in the cluster (clusters run along z)
@@ -225,49 +228,50 @@ class GroupedGemmSm90:
         g = lane // 4
         t0 = lane % 4
         wwarp = tw // 32  # warp within the warpgroup
-        trace_row = mt + self.m_tiles * (ey + cute.arch.grid_dim()[1] * ks)  # (cfg.trace: the launch timeline)
-        self.stamp(trace, trace_row, 0, tidx)
-
-        if cutlass.const_expr(self.cfg.pdl and self.is_w1):
-            # programmatic dependent launch: W1's rows, scales and counts come from the kernel just before it
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
-            self.stamp(trace, trace_row, 1, tidx)
-        # grid row ey runs the ey-th expert with rows: the CTAs of empty experts come last in launch order, after
-        # every CTA with work (W2: the counts were written before W1, which let W2 launch only after its own wait)
-        e_found = ey  # (cfg.active_first off: grid row y runs expert y, an ablation)
-        if cutlass.const_expr(self.cfg.active_first):
-            e_found = self.active_expert(cnt, ey, cute.arch.grid_dim()[1], lane)
-        e = cutlass.max(e_found, 0)
-        count = Int32(0)
-        if e_found >= 0:
-            count = cnt[e]
-        row_base = offs[e]
-        n_tiles = (count + n_tile - 1) // n_tile
-        never = count >> 30  # 0 (row counts are far below 2^30), unknown to the compiler: for the no_mma ablation
 
         smem = utils.SmemAllocator()
         st = smem.allocate(self.shared)
         slut = st.lut.get_tensor(cute.make_layout(32))
+        sflag = st.flag.get_tensor(cute.make_layout(4))
         sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]
         ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1)) if self.cfg.smem_scales else cute.make_layout(1)
         ssx = st.ssx.get_tensor(ssx_layout)  # [window, token column] of the current N tile
         sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+
+        if cutlass.const_expr(self.cfg.pdl and self.is_w1):
+            # programmatic dependent launch: W1's rows, scales and counts may come from the kernel just before it
+            cute.arch.griddepcontrol_wait()
+        # ring mode: this call holds the workspace and dispatch published the ring's layout (sflag[0]: ok, [1]: g)
+        ok, gen = self.acquire_ring(sig, ticket, timeout_ns, sflag, tidx, ks)
+        if cutlass.const_expr(self.cfg.pdl and self.is_w1):
+            cute.arch.griddepcontrol_launch_dependents()
+        # grid row ey runs the ey-th expert with rows: the CTAs of empty experts come last in launch order, after
+        # every CTA with work (W2: the counts were written before W1, which let W2 launch only after its own acquire)
+        e_found = ey  # (cfg.active_first off: grid row y runs expert y)
+        if ok == 0:
+            e_found = Int32(-1)
+        elif cutlass.const_expr(self.cfg.active_first):
+            e_found = self.active_expert(cnt, ey, cute.arch.grid_dim()[1], lane)
+        e = cutlass.max(e_found, 0)
+        count = Int32(0)
+        row_base = Int32(0)
+        if e_found >= 0:
+            count = cnt[e]
+            row_base = offs[e]
+        n_tiles = (count + n_tile - 1) // n_tile
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom)
         if tidx < 32:
             slut[tidx] = lut[tidx]
 
-        tma_w = self.cfg.tma_weights
         b_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(b_smem_staged, (None, None, 0)))
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
-            tx_count=b_bytes
-            + (WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES if tma_w and self.cfg.ablate != "compute" else 0),
+            tx_count=b_bytes + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         cute.arch.barrier()
@@ -276,14 +280,15 @@ class GroupedGemmSm90:
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
 
-        # TMA partitions of the activation rows: (N, 128) boxes at (row tile, window)
-        gX = cute.local_tile(tma_x, (n_tile, WINDOW_K), (None, None))
+        # TMA partitions of the activation rows: (N, 128) boxes of this expert's rows (from row_base) at (N tile,
+        # window); row_base is a multiple of 8, not of N: the domain offset moves the boxes' origin
+        gX = cute.local_tile(cute.domain_offset((row_base, 0), tma_x), (n_tile, WINDOW_K), (None, None))
         tXsX, tXgX = cpasync.tma_partition(
             tma_atom, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gX, 0, 2)
         )
         # a stage's weights as [word, thread, fragment (wg, subtile, half), stage], its scale records [row, stage]
-        sW = st.sW.get_tensor(cute.make_layout((4, 128, 8, self.stages if tma_w else 1), stride=(1, 4, 512, 4096)))
-        sS = st.sS.get_tensor(cute.make_layout((TILE_M, self.stages if tma_w else 1), stride=(1, TILE_M)))
+        sW = st.sW.get_tensor(cute.make_layout((4, 128, 8, self.stages), stride=(1, 4, 512, 4096)))
+        sS = st.sS.get_tensor(cute.make_layout((TILE_M, self.stages), stride=(1, TILE_M)))
         thr_mma = tiled_mma.get_slice(tw)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))  # (MMA, 1, 4 k32, stages)
         a_shape = thr_mma.partition_shape_A((64, WINDOW_K))
@@ -303,23 +308,15 @@ class GroupedGemmSm90:
             (max(1, self.splits - 1), nacc, self.threads), stride=(nacc * self.threads, self.threads, 1)
         )
 
-        # a window's weights and scale words per thread: abuf[word 0..3, half, sub, slot], sbuf[row u, sub, slot]
-        # (registers mode: `depth` windows in flight; tma mode: the window being decoded, read from its stage)
+        # the window being decoded, read from its stage: abuf[word 0..3, half, sub, slot], sbuf[row u, sub, slot]
         abuf = cute.make_rmem_tensor((4, 2, 2, depth), Int32)
         sbuf = cute.make_rmem_tensor((2, 2, depth), Int32)
         rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales [row u, sub] of the window in flight
-        sx = cute.make_rmem_tensor(ncol, Float32)  # (v2 path) its activation scales per token column
-        if cutlass.const_expr(self.cfg.ablate == "no_decode"):
-            frag0.fill(0.0)
-            frag1.fill(0.0)
-            rs.fill(1.0)
-        if cutlass.const_expr(self.cfg.ablate == "no_mma"):
-            accw0.fill(0.0)
-            accw1.fill(0.0)
+        sx = cute.make_rmem_tensor(ncol, Float32)  # (without smem_scales) its activation scales per token column
 
         blk0 = (e * self.m_tiles + mt) * self.windows + w_lo  # window-major index of this CTA's first window
         srow0 = 128 * wg + 16 * wwarp + g  # CTA row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
-        # bulk-copy addresses (tma mode): this tile's window records in global memory, the stages in shared memory
+        # bulk-copy addresses: this tile's window records in global memory, the stages in shared memory
         w_src = wq.iterator.toint() + cutlass.Int64(blk0) * WINDOW_WEIGHT_BYTES
         s_src = ws.iterator.toint() + cutlass.Int64(blk0) * WINDOW_SCALE_BYTES
         w_dst = st.sW.data_ptr().toint()
@@ -331,9 +328,9 @@ class GroupedGemmSm90:
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         prev = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         issued = Int32(0)
-        tile_row0 = row_base // n_tile
         # prologue, S - 1 stages: the weights first (they depend on no earlier kernel), then W2 waits for W1 (PDL:
-        # W2's CTAs start in W1's tail and stream weights meanwhile), then the activation boxes
+        # W2's CTAs start in W1's tail and stream weights meanwhile) and W1 for its ring blocks, then the
+        # activation boxes
         if warp_idx == 0:  # the whole warp: the pipeline's arrive and the TMA issue elect one lane themselves
             pre = prod.clone()
             for i in cutlass.range_constexpr(self.stages - 1):
@@ -343,11 +340,12 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.cfg.pdl and not self.is_w1):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-            self.stamp(trace, trace_row, 1, tidx)
+        if cutlass.const_expr(self.cfg.ring and self.is_w1):
+            self.acquire_blocks(sig, gen, timeout_ns, row_base, count, tidx)
         if warp_idx == 0:
             for _ in cutlass.range_constexpr(self.stages - 1):
                 if issued < total:
-                    self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued)
+                    self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, w_lo, issued)
                     prod.advance()
                     issued += 1
 
@@ -357,24 +355,24 @@ class GroupedGemmSm90:
             col_base = nt * n_tile
             if cutlass.const_expr(self.cfg.smem_scales):
                 # the tile's activation scales, every window, into shared memory once: no global-load latency
-                # inside the window loop (the previous tile's readers are past the first barrier)
+                # inside the window loop (the previous tile's readers are past the first barrier); columns past the
+                # expert's rows read nothing (they may lie past the end of the rows)
                 cute.arch.barrier()
                 for r in cutlass.range_constexpr(-(-nw * n_tile // self.threads)):
                     i = tidx + self.threads * r
                     if i < nw * n_tile:
                         wi = i // n_tile
-                        ssx[wi, i - wi * n_tile] = sxT[w_lo + wi, row_base + col_base + i - wi * n_tile]
+                        c = i - wi * n_tile
+                        v = Float32(0.0)
+                        if col_base + c < count:
+                            v = sxT[w_lo + wi, row_base + col_base + c]
+                        ssx[wi, c] = v
                 cute.arch.barrier()
-            if cutlass.const_expr(not tma_w):
-                # prologue: the first `depth` windows of weights and scales
-                for j in cutlass.range_constexpr(depth):
-                    self.load_window(wq, ws, abuf, sbuf, blk0 + j, wg, tw, srow0, j)
             # per window w: wait for window w - 1's WGMMAs, release its stage, refill, promote it; decode subtile 0 of
             # w, issue its WGMMAs; decode subtile 1 while they run (cfg.overlap; else before them), issue its WGMMAs
-            # (two commit groups). The wait is
-            # unconditional and waits for all before any accumulator is read or fragment 0 rewritten: otherwise ptxas
-            # serialises every WGMMA (C7513 / C7515, e.g. for a wait under `if w > 0`, or a promote after
-            # wait_group(1); the compile test checks the waits per QGMMA).
+            # (two commit groups). The wait is unconditional and waits for all before any accumulator is read or
+            # fragment 0 rewritten: otherwise ptxas serialises every WGMMA (C7513 / C7515, e.g. for a wait under
+            # `if w > 0`, or a promote after wait_group(1); the compile test checks the waits per QGMMA).
             for w0 in cutlass.range(0, nw, depth, unroll=1):
                 for j in cutlass.range_constexpr(depth):
                     w = w0 + j
@@ -384,41 +382,34 @@ class GroupedGemmSm90:
                         if warp_idx == 0:
                             if issued < total:
                                 self.produce_weights(pipe, prod, issued, w_src, s_src, w_dst, s_dst)
-                                self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued)
+                                self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, w_lo, issued)
                                 prod.advance()
                                 issued += 1
-                        if cutlass.const_expr(work):
-                            self.promote(acc0, accw0, rs, sx, ssx, w - 1, t0, 0)
-                            if cutlass.const_expr(self.subs == 2):
-                                self.promote(acc1, accw1, rs, sx, ssx, w - 1, t0, 1)
+                        self.promote(acc0, accw0, rs, sx, ssx, w - 1, t0, 0)
+                        if cutlass.const_expr(self.subs == 2):
+                            self.promote(acc1, accw1, rs, sx, ssx, w - 1, t0, 1)
                     if cutlass.const_expr(not self.cfg.smem_scales):
-                        # activation scales of this window's token columns (v2: a global load per window)
+                        # activation scales of this window's token columns (a global load per window)
                         for c in cutlass.range_constexpr(ncol):
                             col = 2 * t0 + (c % 2) + 8 * (c // 2)
-                            sx[c] = sxT[w_lo + w, row_base + col_base + col]
-                    if cutlass.const_expr(tma_w):
-                        pipe.consumer_wait(cons)
-                    if cutlass.const_expr(work):
-                        if cutlass.const_expr(tma_w and self.cfg.ablate != "no_decode"):
-                            self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, j)
-                        self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
-                        if cutlass.const_expr(self.subs == 2 and not self.cfg.overlap):
+                            v = Float32(0.0)
+                            if col_base + col < count:
+                                v = sxT[w_lo + w, row_base + col_base + col]
+                            sx[c] = v
+                    pipe.consumer_wait(cons)
+                    self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, j)
+                    self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
+                    if cutlass.const_expr(self.subs == 2 and not self.cfg.overlap):
+                        self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                    warpgroup.fence()
+                    self.mma_window(tiled_mma, accw0, frag0, tCrB, cons.index)
+                    if cutlass.const_expr(self.subs == 2):
+                        if cutlass.const_expr(self.cfg.overlap):
+                            warpgroup.commit_group()
                             self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
-                        if cutlass.const_expr(not tma_w):
-                            pipe.consumer_wait(cons)
-                        warpgroup.fence()
-                        self.mma_window(tiled_mma, accw0, frag0, tCrB, cons.index, never)
-                        if cutlass.const_expr(self.subs == 2):
-                            if cutlass.const_expr(self.cfg.overlap):
-                                warpgroup.commit_group()
-                                self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
-                                warpgroup.fence()
-                            if cutlass.const_expr(not tma_w):
-                                # refill this slot with window w + depth (same N tile)
-                                if w + depth < nw:
-                                    self.load_window(wq, ws, abuf, sbuf, blk0 + w + depth, wg, tw, srow0, j)
-                            self.mma_window(tiled_mma, accw1, frag1, tCrB, cons.index, never)
-                        warpgroup.commit_group()
+                            warpgroup.fence()
+                        self.mma_window(tiled_mma, accw1, frag1, tCrB, cons.index)
+                    warpgroup.commit_group()
                     prev = cons.clone()
                     cons.advance()
             # drain the tile: the last window's MMAs, release its stage, promote
@@ -427,13 +418,12 @@ class GroupedGemmSm90:
             if warp_idx == 0:
                 if issued < total:
                     self.produce_weights(pipe, prod, issued, w_src, s_src, w_dst, s_dst)
-                    self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, tile_row0, w_lo, issued)
+                    self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, w_lo, issued)
                     prod.advance()
                     issued += 1
-            if cutlass.const_expr(work):
-                self.promote(acc0, accw0, rs, sx, ssx, nw - 1, t0, 0)
-                if cutlass.const_expr(self.subs == 2):
-                    self.promote(acc1, accw1, rs, sx, ssx, nw - 1, t0, 1)
+            self.promote(acc0, accw0, rs, sx, ssx, nw - 1, t0, 0)
+            if cutlass.const_expr(self.subs == 2):
+                self.promote(acc1, accw1, rs, sx, ssx, nw - 1, t0, 1)
             if cutlass.const_expr(self.splits > 1):
                 self.reduce_splits(acc0, acc1, st.part.data_ptr().toint(), st.part.get_tensor(part_layout), ks, tidx)
             if ks == 0:  # the cluster's leader (every CTA without K splits) finishes the tile
@@ -455,25 +445,69 @@ class GroupedGemmSm90:
                         count - col_base,
                     )
                 else:
-                    self.epilogue_w2(
-                        acc0, acc1, ep_a, ep_b, mt, wg, sb, wwarp, g, t0, row_base + col_base, count - col_base
-                    )
+                    valid = count - col_base
+                    if cutlass.const_expr(self.cfg.ring):
+                        if ld_u32(sig[3]) != 0:  # a wait of this call failed: store nothing
+                            valid = Int32(0)
+                    self.epilogue_w2(acc0, acc1, ep_a, ep_b, ep_c, mt, wg, sb, wwarp, g, t0, row_base + col_base, valid)
             if cutlass.const_expr(self.splits > 1):
                 if nt + 1 < n_tiles:  # the leader has read this tile's partials before they are pushed again
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
-        self.stamp(trace, trace_row, 2, tidx, (cutlass.Int64(cute.arch.smid()) << 32) | cutlass.Int64(n_tiles))
 
     @cute.jit
-    def stamp(self, trace: cute.Tensor, row: Int32, i: cutlass.Constexpr, tidx: Int32, last=None):
-        """cfg.trace: trace[row, i] = %globaltimer (ns), stored at once (no register held across the kernel); with
-        `last`, also trace[row, 3] = last. Rows: the linear block index (mt fastest); columns: start, dependency met
-        (after griddepcontrol.wait), end, smid << 32 | N tiles."""
-        if cutlass.const_expr(self.cfg.trace):
-            if tidx == 0:
-                trace[row, i] = cutlass.Int64(cute.arch.globaltimer())
-                if cutlass.const_expr(last is not None):
-                    trace[row, 3] = last
+    def acquire_ring(self, sig: tuple, ticket: Int32, timeout_ns: Int64, sflag: cute.Tensor, tidx: Int32, ks: Int32):
+        """Ring mode: thread 0 waits for INUSE == ticket (this call holds the workspace), reads g = CGEN + 1 and waits
+        for OFFS == g (the ring's offsets and counts of call g are written); every wait bounded, ended by a non-zero
+        ERR, and recorded there on expiry. Returns (ok, g) to every thread. With K splits the cluster's leader
+        decides for every CTA of the cluster (read from its shared memory after a cluster barrier): CTAs of one
+        cluster must agree on whether they work, or the split reduction's cluster barriers would not match.
+        Without ring mode: (1, 0)."""
+        ok = Int32(1)
+        gen = Int32(0)
+        if cutlass.const_expr(self.cfg.ring):
+            inuse, cgen, offs_tag, err = sig[0], sig[1], sig[2], sig[3]
+            if tidx == 0 and ks == 0:
+                good = Int32(0)
+                g = Int32(0)
+                if ld_u32(err) == 0:
+                    held = wait_until_eq(inuse, ticket, timeout_ns, "gpu", err)
+                    if held == ticket:
+                        g = ld_acquire_u32(cgen, "gpu") + 1
+                        seen = wait_until_eq(offs_tag, g, timeout_ns, "gpu", err)
+                        if seen == g:
+                            good = Int32(1)
+                        else:
+                            record_error(err, KIND_OFFS, 0, g, seen)
+                    else:
+                        record_error(err, KIND_BUSY, 0, ticket, held)
+                sflag[0] = good
+                sflag[1] = g
+            if cutlass.const_expr(self.splits > 1):
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+                if tidx == 0 and ks != 0:
+                    at = sflag.iterator.toint()
+                    sflag[0] = ld_cluster_u32(at, 0)
+                    sflag[1] = ld_cluster_u32(at + 4, 0)
+            cute.arch.barrier()
+            ok = sflag[0]
+            gen = sflag[1]
+        return ok, gen
+
+    @cute.jit
+    def acquire_blocks(self, sig: tuple, gen: Int32, timeout_ns: Int64, row_base: Int32, count: Int32, tidx: Int32):
+        """Ring mode, W1: every ring block holding this expert's rows carries L1_FULL == g (dispatch pulled its rows)
+        before any activation box is loaded; one thread per block, bounded, recorded in ERR on expiry."""
+        bm = self.cfg.ring_bm
+        first = row_base // bm
+        err = sig[3]
+        for i in cutlass.range(tidx, (count + bm - 1) // bm, self.threads, unroll=1):
+            tag = sig[4] + Int64(first + i) * 4
+            seen = wait_until_eq(tag, gen, timeout_ns, "gpu", err)
+            if seen != gen:
+                record_error(err, KIND_BLOCK, first + i, gen, seen)
+        cute.arch.barrier()
 
     @cute.jit
     def active_expert(self, cnt: cute.Tensor, j: Int32, num_experts: Int32, lane: Int32) -> Int32:
@@ -526,20 +560,19 @@ class GroupedGemmSm90:
         s_dst: Int32,
     ):
         """Load `it` of this CTA (N tile it // nw, window w_lo + it % nw), part 1: acquire the next stage (arming its
-        mbarrier for all of its bytes) and, in tma mode, bulk-copy the window's weights and scale records into it.
-        Part 2 is produce_acts. Warp 0 runs both whole (the arrive and the TMA elect one lane); the caller advances
-        `prod` (a rebind the DSL must see in the caller's branch)."""
+        mbarrier for all of its bytes) and bulk-copy the window's weights and scale records into it. Part 2 is
+        produce_acts. Warp 0 runs both whole (the arrive and the TMA elect one lane); the caller advances `prod` (a
+        rebind the DSL must see in the caller's branch)."""
         nw = self.nwk
         it_w = it - (it // nw) * nw
         pipe.producer_acquire(prod)
-        if cutlass.const_expr(self.cfg.tma_weights and self.cfg.ablate != "compute"):
-            bar = pipe.producer_get_barrier(prod).toint()
-            with cute.arch.elect_one():
-                stage = prod.index
-                w_off = cutlass.Int64(it_w) * WINDOW_WEIGHT_BYTES
-                s_off = cutlass.Int64(it_w) * WINDOW_SCALE_BYTES
-                bulk_copy_g2s(w_dst + stage * WINDOW_WEIGHT_BYTES, w_src + w_off, WINDOW_WEIGHT_BYTES, bar)
-                bulk_copy_g2s(s_dst + stage * WINDOW_SCALE_BYTES, s_src + s_off, WINDOW_SCALE_BYTES, bar)
+        bar = pipe.producer_get_barrier(prod).toint()
+        with cute.arch.elect_one():
+            stage = prod.index
+            w_off = cutlass.Int64(it_w) * WINDOW_WEIGHT_BYTES
+            s_off = cutlass.Int64(it_w) * WINDOW_SCALE_BYTES
+            bulk_copy_g2s(w_dst + stage * WINDOW_WEIGHT_BYTES, w_src + w_off, WINDOW_WEIGHT_BYTES, bar)
+            bulk_copy_g2s(s_dst + stage * WINDOW_SCALE_BYTES, s_src + s_off, WINDOW_SCALE_BYTES, bar)
 
     @cute.jit
     def produce_acts(
@@ -549,16 +582,15 @@ class GroupedGemmSm90:
         tma_atom: cute.CopyAtom,
         tXgX: cute.Tensor,
         tXsX: cute.Tensor,
-        tile_row0: Int32,
         w_lo: Int32,
         it: Int32,
     ):
-        """The activation box of load `it` into the (acquired) stage by TMA."""
+        """The activation box of load `it` (N tile it // nw of the expert's rows) into the (acquired) stage by TMA."""
         nw = self.nwk
         it_t = it // nw
         it_w = it - it_t * nw
         bar = pipe.producer_get_barrier(prod)
-        cute.copy(tma_atom, tXgX[(None, tile_row0 + it_t, w_lo + it_w)], tXsX[(None, prod.index)], tma_bar_ptr=bar)
+        cute.copy(tma_atom, tXgX[(None, it_t, w_lo + it_w)], tXsX[(None, prod.index)], tma_bar_ptr=bar)
         pipe.producer_commit(prod)
 
     @cute.jit
@@ -574,19 +606,14 @@ class GroupedGemmSm90:
     ):
         """Subtile s of the window in `slot`: FP4 -> E4M3 A fragment (per-group LUT of its relative exponent), and the
         2^base row scales of its two rows."""
-        if cutlass.const_expr(self.cfg.ablate == "no_decode"):
-            return
-        ptx = decode8_split_sign_ptx("fma" if self.cfg.fma_shifts else "alu")
-        shr = shr_u32_imad if self.cfg.fma_shifts else (lambda x, k: x >> k)
         for step in cutlass.range_constexpr(4):
             h, sh = step // 2, step % 2
             # the LUT pair of each row's relative exponent dd (record bits 16 + 4 step ..): byte offset 8 dd
-            # (fma_shifts: the shift on the FMA pipe, an ablation that measured slower)
-            oa = shr(sbuf[0, s, slot], 13 + 4 * step) & 0x78
-            ob = shr(sbuf[1, s, slot], 13 + 4 * step) & 0x78
+            oa = (sbuf[0, s, slot] >> (13 + 4 * step)) & 0x78
+            ob = (sbuf[1, s, slot] >> (13 + 4 * step)) & 0x78
             la, lb = oa >> 2, ob >> 2  # word index 2 dd
-            a0, a2 = decode8(abuf[2 * sh, h, s, slot], slut[la], slut[la + 1], ptx)
-            a1, a3 = decode8(abuf[2 * sh + 1, h, s, slot], slut[lb], slut[lb + 1], ptx)
+            a0, a2 = decode8(abuf[2 * sh, h, s, slot], slut[la], slut[la + 1], DECODE8_SPLIT_SIGN_PTX)
+            a1, a3 = decode8(abuf[2 * sh + 1, h, s, slot], slut[lb], slut[lb + 1], DECODE8_SPLIT_SIGN_PTX)
             fw[4 * step + 0] = a0
             fw[4 * step + 1] = a1
             fw[4 * step + 2] = a2
@@ -602,18 +629,11 @@ class GroupedGemmSm90:
         frag: cute.Tensor,
         tCrB: cute.Tensor,
         stage: Int32,
-        never: Int32,
     ):
-        """accw = frag (64 x 128, registers) @ the stage's token tile (shared memory): 4 k32 WGMMAs (uncommitted).
-        (The no_mma ablation keeps the fragments alive by a store predicated on `never`, zero at run time.)"""
-        if cutlass.const_expr(self.cfg.ablate == "no_mma"):
-            fw = cute.recast_tensor(frag, Int32)
-            for i in cutlass.range_constexpr(cute.size(fw) // 4):
-                keep_alive4(fw[4 * i], fw[4 * i + 1], fw[4 * i + 2], fw[4 * i + 3], never)
-        else:
-            for kb in cutlass.range_constexpr(4):
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(tiled_mma, accw, frag[(None, None, kb)], tCrB[(None, None, kb, stage)], accw)
+        """accw = frag (64 x 128, registers) @ the stage's token tile (shared memory): 4 k32 WGMMAs (uncommitted)."""
+        for kb in cutlass.range_constexpr(4):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(tiled_mma, accw, frag[(None, None, kb)], tCrB[(None, None, kb, stage)], accw)
 
     @cute.jit
     def load_window_smem(
@@ -638,25 +658,6 @@ class GroupedGemmSm90:
                 sbuf[u, s, slot] = sS[srow0 + 64 * (sb + s) + 8 * u, stage]
 
     @cute.jit
-    def load_window(
-        self,
-        wq: cute.Tensor,
-        ws: cute.Tensor,
-        abuf: cute.Tensor,
-        sbuf: cute.Tensor,
-        blk: Int32,
-        wg: Int32,
-        tw: Int32,
-        srow0: Int32,
-        slot: cutlass.Constexpr,
-    ):
-        for s in cutlass.range_constexpr(2):
-            for h in cutlass.range_constexpr(2):
-                cute.autovec_copy(wq[blk * 8 + wg * 4 + s * 2 + h, tw, None], abuf[None, h, s, slot])
-            for u in cutlass.range_constexpr(2):
-                sbuf[u, s, slot] = ws[blk, srow0 + 64 * s + 8 * u]
-
-    @cute.jit
     def promote(
         self,
         acc: cute.Tensor,
@@ -668,8 +669,8 @@ class GroupedGemmSm90:
         t0: Int32,
         s: cutlass.Constexpr,
     ):
-        """acc += accw * 2^base[row] * sx[token] for window w, subtile s (token scales from shared memory, or v2's
-        registers)."""
+        """acc += accw * 2^base[row] * sx[token] for window w, subtile s (token scales from shared memory, or
+        registers without smem_scales)."""
         for i in cutlass.range_constexpr(cute.size(acc)):
             v0, v1, q = i % 2, (i // 2) % 2, i // 4
             if cutlass.const_expr(self.cfg.smem_scales):
@@ -745,7 +746,8 @@ class GroupedGemmSm90:
         acc0: cute.Tensor,
         acc1: cute.Tensor,
         dst: cute.Tensor,
-        out: cute.Tensor,
+        src: cute.Tensor,
+        comb: cute.Tensor,
         mt: Int32,
         wg: Int32,
         sb: Int32,
@@ -755,17 +757,49 @@ class GroupedGemmSm90:
         row0: Int32,
         valid: Int32,
     ):
-        """out[dst[row], m] = bf16(acc) for the tile's 256 output columns m (subtile s of the warpgroup: rows
-        64 (sb + s) of its 128)."""
+        """Rank src[row, 0]'s output, bf16 [*, M] at comb[src[row, 0]]: row dst[row], columns m = bf16(acc) for the
+        tile's 256 output columns (subtile s of the warpgroup: rows 64 (sb + s) of its 128)."""
         m_base = 256 * mt + 128 * wg + 64 * sb + 16 * wwarp + g
         for i in cutlass.range_constexpr(self.n // 2):
             v0, v1, q = i % 2, (i // 2) % 2, i // 4
             col = 2 * t0 + v0 + 8 * q
             if col < valid:
-                orow = dst[row0 + col]
-                out[orow, m_base + 8 * v1] = acc0[i].to(cutlass.BFloat16)
+                row = row0 + col
+                base = comb[src[row, 0]] + (Int64(dst[row]) * self.m + m_base + 8 * v1) * 2
+                st_bf16(base, acc0[i])
                 if cutlass.const_expr(self.subs == 2):
-                    out[orow, m_base + 64 + 8 * v1] = acc1[i].to(cutlass.BFloat16)
+                    st_bf16(base + 128, acc1[i])
+
+
+def fake_operands(mode: str, m: int, k: int, ranks_sym=None):
+    """The kernel's tensor operands as fakes for an offline compile (every row extent its own run-time symbol):
+    wq, ws, x, sxT, offs, cnt, lut, then the epilogue's three — W1: route_w fp32 [R], hq uint8 [R, M/2] (FP8 bits),
+    hsT fp32 [M/256, R]; W2: dst int32 [R], src int32 [R, 3], comb int64 [P]."""
+    f8 = cutlass.Float8E4M3FN
+    nw = k // WINDOW_K
+    dyn = cute.sym_int
+    ops = [
+        make_fake_compact_tensor(Int32, (dyn(), 128, 4), stride_order=(2, 1, 0), assumed_align=16),
+        make_fake_compact_tensor(Int32, (dyn(), 256), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(f8, (dyn(), k), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(Float32, (nw, dyn()), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4),
+        make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4),
+        make_fake_compact_tensor(Int32, (32,), assumed_align=16),
+    ]
+    if mode == "w1":
+        ops += [
+            make_fake_compact_tensor(Float32, (dyn(),), assumed_align=4),
+            make_fake_compact_tensor(cutlass.Uint8, (dyn(), m // 2), stride_order=(1, 0), assumed_align=16),
+            make_fake_compact_tensor(Float32, (m // TILE_M, dyn()), stride_order=(1, 0), assumed_align=4),
+        ]
+    else:
+        ops += [
+            make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4),
+            make_fake_compact_tensor(Int32, (dyn(), 3), stride_order=(1, 0), assumed_align=4),
+            make_fake_compact_tensor(Int64, (dyn(),), assumed_align=8),
+        ]
+    return ops
 
 
 @cache
@@ -775,34 +809,16 @@ def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
     why = can_implement(m, k, 1, cfg, splits=cfg.splits[0 if mode == "w1" else 1])
     if why:
         raise ValueError(f"sm90 {mode}: {why}")
-    f8 = cutlass.Float8E4M3FN
-    nw = k // WINDOW_K
-    dyn = cute.sym_int  # one symbol per tensor: their extents are passed at run time, independently
-    wq = make_fake_compact_tensor(Int32, (dyn(), 128, 4), stride_order=(2, 1, 0), assumed_align=16)
-    ws = make_fake_compact_tensor(Int32, (dyn(), 256), stride_order=(1, 0), assumed_align=16)
-    x = make_fake_compact_tensor(f8, (dyn(), k), stride_order=(1, 0), assumed_align=16)
-    sxT = make_fake_compact_tensor(Float32, (nw, dyn()), stride_order=(1, 0), assumed_align=16)
-    offs = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)
-    cnt = make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4)
-    lut = make_fake_compact_tensor(Int32, (32,), assumed_align=16)
-    ep_a, ep_b, ep_c = fake_epilogue_args(mode, m)
-    trace = make_fake_compact_tensor(cutlass.Int64, (dyn(), 4), stride_order=(1, 0), assumed_align=16)
     kern = GroupedGemmSm90(mode, m, k, cfg)
+    sig = tuple(Int64(0) for _ in range(SIG_WORDS))
     return compile_kernel(
         kern,
-        wq,
-        ws,
-        x,
-        sxT,
-        offs,
-        cnt,
-        lut,
-        ep_a,
-        ep_b,
-        ep_c,
-        trace,
+        *fake_operands(mode, m, k),
+        sig,
+        Int32(1),
+        Int64(0),
         Int32(1),
         crt.make_fake_stream(),
         arch=arch,
-        name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}",
+        name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}{'_ring' if cfg.ring else ''}",
     )

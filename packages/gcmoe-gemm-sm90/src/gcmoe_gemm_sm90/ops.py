@@ -1,139 +1,157 @@
-"""Host side of the sm90 grouped GEMMs: routing metadata on the GPU (no host sync), input preparation, the W1 and W2
-launches, and the whole routed(+shared)-expert layer built from them.
+"""Host side of the sm90 grouped GEMMs: the W1 and W2 launches, the prepacked weights of one layer, and the torch
+models of the two kernels. The operator's layer runs in gcmoe (its sm90 backend); this package never runs a layer.
 
-    layout = group_rows(topk_ids, num_experts, n_tile)          # expert-sorted, padded rows; sync-free
-    acts   = prepare_activations(x, topk_weights, layout)        # FP8 rows, transposed scales, routing weights
-    hq, hsT = w1(packed_w13, acts, layout)                       # FP8 intermediate in W2's input layout
-    w2(packed_w2, hq, hsT, layout, out)                          # bf16 rows scattered to out[slot]
-    y = MoESm90.from_weights(weights).forward(x, ids, w)         # + shared experts as extra always-on experts
+    launch_w1(packed, x_rows, sxT, route_w, offsets, counts, hq, hsT, cfg, ring)   # any row source (the token ring)
+    launch_w2(packed, hq, hsT, offsets, counts, dst, src, comb, cfg, ring)         # scatter through a peer table
+    hq, hsT = w1(packed, acts, layout, cfg)          # on prepared rows (gcmoe_core.grouping: tests, benchmarks)
+    w2(packed, hq, hsT, layout, out, cfg)            # bf16 rows to out[slot]
+    weights = MoESm90.from_weights(moe_weights)      # prepack W13 (gate/up interleaved) and W2, shared appended
+    emulate_w1 / emulate_w2                          # torch models of the kernels' outputs (any device)
 
-Shared experts ride the same kernels: expert ids E..E+S-1 are appended to every token's routing with weight 1, so
-the combine (slot order: routed 0..k-1, then shared) matches gcmoe_core.reference exactly in structure.
-Every step is a fixed-shape device computation: the layer captures into a CUDA graph and replays with new routing.
+ring: a RingSync (the comm workspace's signal addresses, the call's ticket, the wait bound) for the kernels' ring mode
+(Sm90Config.ring); None on prepared rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from gcmoe_core.cutedsl import as_cute
 from gcmoe_core.formats import MXFP4Tensor, quantize_fp8_e4m3_1x128
-from gcmoe_core.grouping import Activations, RowLayout, grouped_forward
+from gcmoe_core.grouping import Activations, RowLayout
 from gcmoe_core.reference import MoEWeights
 
 from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config
 from .prepack import PackedSm90, lut_words, prepack_sm90
 
 
-def trace_shape(mode: str, packed: PackedSm90, cfg: Sm90Config) -> tuple[int, int]:
-    """The trace buffer of a launch with cfg.trace: int64 [CTAs, 4] (see kernel_grouped)."""
-    return packed.m // TILE_M * packed.experts * cfg.splits[0 if mode == "w1" else 1], 4
+@dataclass(frozen=True)
+class RingSync:
+    """What the kernels' ring mode waits on (addresses of the workspace's INUSE, CGEN, OFFS, ERR words and L1_FULL
+    array), the call's ticket and the bound on each wait in ns."""
+
+    inuse: int
+    cgen: int
+    offs: int
+    err: int
+    l1_full: int
+    ticket: int
+    timeout_ns: int
 
 
-def _launch(
-    mode: str,
-    packed: PackedSm90,
-    x_rows,
-    sxT,
-    layout: RowLayout,
-    ep_a,
-    ep_b,
-    ep_c,
-    cfg: Sm90Config,
-    trace: torch.Tensor | None = None,
-):
+_CONSTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _lut(dev: torch.device) -> torch.Tensor:
+    """The decode LUT words on a device, made once."""
+    if dev not in _CONSTS:
+        _CONSTS[dev] = lut_words().reshape(-1).contiguous().to(dev)
+    return _CONSTS[dev]
+
+
+def _launch(mode, packed: PackedSm90, x_rows, sxT, offsets, counts, ep, cfg: Sm90Config, ring: RingSync | None):
     import cuda.bindings.driver as cuda
 
     from gcmoe_core.cutedsl import cutlass_modules, target_arch
 
-    from .kernel_grouped import compiled
+    from .kernel_grouped import SIG_WORDS, compiled
 
     dev = x_rows.device
     e = packed.experts
-    if layout.counts.numel() != e or layout.offsets.numel() != e + 1 or layout.n_tile != cfg.n_tile:
-        raise ValueError(
-            f"sm90 {mode}: row layout for {layout.counts.numel()} experts / n_tile {layout.n_tile} does "
-            f"not match {e} prepacked experts / n_tile {cfg.n_tile}"
-        )
-    if x_rows.shape != (layout.rows, packed.k) or x_rows.dtype != torch.uint8:
-        raise ValueError(
-            f"sm90 {mode}: activation rows {tuple(x_rows.shape)} {x_rows.dtype} != "
-            f"({layout.rows}, {packed.k}) uint8 (FP8 bits)"
-        )
-    if cfg.trace != (trace is not None):
-        raise ValueError(f"sm90 {mode}: a trace buffer goes with cfg.trace and only with it")
-    lut, no_trace, _ = _consts(dev)
-    if trace is None:
-        trace = no_trace
-    elif trace.shape != trace_shape(mode, packed, cfg) or trace.dtype != torch.int64 or trace.device != dev:
-        raise ValueError(f"sm90 {mode}: trace must be int64 {trace_shape(mode, packed, cfg)} on {dev}")
+    if counts.numel() != e or offsets.numel() != e + 1:
+        raise ValueError(f"sm90 {mode}: row layout for {counts.numel()} experts does not match {e} prepacked experts")
+    if x_rows.dim() != 2 or x_rows.shape[1] != packed.k or x_rows.dtype != torch.uint8:
+        raise ValueError(f"sm90 {mode}: activation rows {tuple(x_rows.shape)} {x_rows.dtype} != (R, {packed.k}) uint8")
+    if cfg.ring != (ring is not None):
+        raise ValueError(f"sm90 {mode}: a RingSync goes with cfg.ring and only with it")
+    cutlass = cutlass_modules()[0]
+    i64 = cutlass.Int64
+    if ring is None:
+        sig, ticket, timeout = tuple(i64(0) for _ in range(SIG_WORDS)), 0, 0
+    else:
+        sig = tuple(i64(a) for a in (ring.inuse, ring.cgen, ring.offs, ring.err, ring.l1_full))
+        ticket, timeout = ring.ticket, ring.timeout_ns
     kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
     wq = packed.data.view(torch.int32).view(-1, 128, 4)
     ws = packed.scales.view(-1, 256)
     kern(
         as_cute(wq, 0, 16),
         as_cute(ws, 0, 16),
-        as_cute(x_rows, 0, 16, cutlass_modules()[0].Float8E4M3FN),
+        as_cute(x_rows, 0, 16, cutlass.Float8E4M3FN),
         as_cute(sxT, 1, 16),
-        as_cute(layout.offsets, 0, 4),
-        as_cute(layout.counts, 0, 4),
-        as_cute(lut, None, 16),
-        ep_a,
-        ep_b,
-        ep_c,
-        as_cute(trace, 0, 16),
+        as_cute(offsets, 0, 4),
+        as_cute(counts, 0, 4),
+        as_cute(_lut(dev), None, 16),
+        *ep,
+        sig,
+        ticket,
+        i64(timeout),
         e,
         cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
     )
 
 
-_CONSTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+def launch_w1(
+    packed: PackedSm90,
+    x_rows: torch.Tensor,
+    sxT: torch.Tensor,
+    route_w: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: torch.Tensor,
+    hq: torch.Tensor,
+    hsT: torch.Tensor,
+    cfg: Sm90Config,
+    ring: RingSync | None = None,
+) -> None:
+    """W1 on expert-sorted rows: x_rows uint8 [R, H] (FP8 bits), sxT fp32 [H/128, R], route_w fp32 [R], offsets
+    int32 [E + 1] (multiples of 8), counts int32 [E] -> hq uint8 [R, I] (FP8 bits), hsT fp32 [I/128, R]."""
+    rows, inter = x_rows.shape[0], packed.m // 2
+    if hq.shape != (rows, inter) or hq.dtype != torch.uint8 or hsT.shape != (packed.m // TILE_M, rows):
+        raise ValueError(f"sm90 w1: hq / hsT must be uint8 [{rows}, {inter}] / fp32 [{packed.m // TILE_M}, {rows}]")
+    ep = (as_cute(route_w, 0, 4), as_cute(hq, 0, 16), as_cute(hsT, 1, 4))
+    _launch("w1", packed, x_rows, sxT, offsets, counts, ep, cfg, ring)
 
 
-def _consts(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-device operands made once, not per launch: the decode LUT words, the trace buffer of an untraced launch
-    (never written) and W2's unused third epilogue operand."""
-    if dev not in _CONSTS:
-        lut = lut_words().reshape(-1).contiguous().to(dev)
-        _CONSTS[dev] = lut, torch.zeros(1, 4, dtype=torch.int64, device=dev), torch.zeros(1, device=dev)
-    return _CONSTS[dev]
+def launch_w2(
+    packed: PackedSm90,
+    hq: torch.Tensor,
+    hsT: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: torch.Tensor,
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    comb: torch.Tensor,
+    cfg: Sm90Config,
+    ring: RingSync | None = None,
+) -> None:
+    """W2: row i's bf16 output [H] goes to row dst[i] of rank src[i, 0]'s output buffer, whose address is comb[rank]
+    (int64 [P]: the combine buffers of every rank, or one local output)."""
+    if src.dim() != 2 or src.shape[1] != 3 or comb.dtype != torch.int64 or dst.dtype != torch.int32:
+        raise ValueError("sm90 w2: dst int32 [R], src int32 [R, 3], comb int64 [P]")
+    ep = (as_cute(dst, 0, 4), as_cute(src, 0, 4), as_cute(comb, 0, 8))
+    _launch("w2", packed, hq, hsT, offsets, counts, ep, cfg, ring)
 
 
-def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config, trace: torch.Tensor | None = None):
-    """-> (hq uint8 [R, I] FP8 bits, hsT fp32 [I/128, R]). trace: with cfg.trace, int64 trace_shape(...)."""
-    rows, inter = layout.rows, packed.m // 2
-    dev = acts.x_rows.device
-    hq = torch.empty(rows, inter, dtype=torch.uint8, device=dev)
+def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config):
+    """W1 on prepared rows -> (hq uint8 [R, I] FP8 bits, hsT fp32 [I/128, R])."""
+    rows, dev = layout.rows, acts.x_rows.device
+    hq = torch.empty(rows, packed.m // 2, dtype=torch.uint8, device=dev)
     hsT = torch.empty(packed.m // TILE_M, rows, dtype=torch.float32, device=dev)
-    _launch(
-        "w1",
-        packed,
-        acts.x_rows,
-        acts.sxT,
-        layout,
-        as_cute(acts.route_w, 0, 4),
-        as_cute(hq, 0, 16),
-        as_cute(hsT, 1, 4),
-        cfg,
-        trace,
-    )
+    launch_w1(packed, acts.x_rows, acts.sxT, acts.route_w, layout.offsets, layout.counts, hq, hsT, cfg)
     return hq, hsT
 
 
 def w2(
-    packed: PackedSm90,
-    hq: torch.Tensor,
-    hsT: torch.Tensor,
-    layout: RowLayout,
-    out: torch.Tensor,
-    cfg: Sm90Config,
-    trace: torch.Tensor | None = None,
+    packed: PackedSm90, hq: torch.Tensor, hsT: torch.Tensor, layout: RowLayout, out: torch.Tensor, cfg: Sm90Config
 ) -> torch.Tensor:
     """out[slot, :] = W2_e h[row] for every valid row (slot = the row's (token, slot) index); bf16 [T*k, H]."""
-    ep = (as_cute(layout.src_slot, 0, 4), as_cute(out, 0, 16), as_cute(_consts(hq.device)[2], None, 4))
-    _launch("w2", packed, hq, hsT, layout, *ep, cfg, trace)
+    if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[1] != packed.m or not out.is_contiguous():
+        raise ValueError(f"sm90 w2: out must be contiguous bf16 [*, {packed.m}]")
+    src = torch.zeros(layout.rows, 3, dtype=torch.int32, device=hq.device)  # every row to "rank 0": out
+    comb = torch.full((1,), out.data_ptr(), dtype=torch.int64, device=hq.device)  # (capturable: no host copy)
+    launch_w2(packed, hq, hsT, layout.offsets, layout.counts, layout.src_slot, src, comb, cfg)
     return out
 
 
@@ -147,7 +165,8 @@ def layer_missing(hidden: int, inter: int, experts: int) -> str | None:
 
 
 class MoESm90:
-    """The routed (+ shared) experts of one rank on the sm90 kernels, from prepacked weights."""
+    """The prepacked weights of one rank's routed (+ shared, appended) experts for the sm90 kernels, and the kernel
+    configuration per call size. Runs nothing: the layer is gcmoe's sm90 backend."""
 
     def __init__(self, w13: PackedSm90, w2: PackedSm90, num_routed: int, cfg: Sm90Config | None = None):
         if not w13.gate_up or w2.gate_up or w13.experts != w2.experts or w13.m != 2 * w2.k or w13.k != w2.m:
@@ -182,27 +201,11 @@ class MoESm90:
         return cls(w13, w2_, num_routed)
 
     def config_for(self, tokens: int, top_k: int) -> Sm90Config:
+        """The kernel configuration for a call of `tokens` tokens per rank (self.cfg forces one)."""
         cfg = self.cfg or choose_config(tokens, top_k, self.num_routed, self.hidden, self.inter)
         if min(self.hidden, self.inter) // WINDOW_K % cfg.prefetch:
-            cfg = replace(cfg, prefetch=1 if cfg.tma_weights else 2)
+            cfg = replace(cfg, prefetch=1)
         return cfg
-
-    def forward(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, emulate: bool = False
-    ) -> torch.Tensor:
-        """y [T, H] bf16. emulate=True runs the same pipeline with torch models of the two kernels (any device)."""
-        cfg = self.config_for(*topk_ids.shape)
-        if emulate:
-            from .prepack import unpack_sm90
-
-            run_w1 = lambda acts, lay: emulate_w1(unpack_sm90(self.w13), acts, lay)
-            run_w2 = lambda hq, hs, lay, out: emulate_w2(unpack_sm90(self.w2), hq, hs, lay, out)
-        else:
-            run_w1 = lambda acts, lay: w1(self.w13, acts, lay, cfg)
-            run_w2 = lambda hq, hs, lay, out: w2(self.w2, hq, hs, lay, out, cfg)
-        return grouped_forward(
-            x, topk_ids, topk_weights, self.num_routed, self.num_shared, cfg.n_tile, self.hidden, run_w1, run_w2
-        )
 
 
 def emulate_w1(w13: MXFP4Tensor, acts: Activations, layout: RowLayout):

@@ -4,14 +4,16 @@
     part   = split_device(comm_sms=16)        # green contexts: comm = a structured group, compute = the remainder
     with torch.cuda.stream(part.comm_stream): ...     # kernels launched here run on the comm SMs only
     part   = split_device(16, mode="unpartitioned")   # same interface: two ordinary streams on the whole GPU
+    comm, compute = part.new_streams()                 # one more stream pair on the same two partitions
 
 Design
 - Sizes are requested in SMs and rounded UP to the device's split granularity (smCoscheduledAlignment, at least
   minSmPartitionSize; 8 and 8 on H100/H200). The comm partition is the structured group the driver returns from
   cuDevSmResourceSplitByCount; the compute partition is the remainder (132 - 16 = 116 SMs on an H200), which keeps
   every SM busy. `plan_split` does the arithmetic in pure Python so the rules are tested on a CPU.
-- A device is split once: partitions never overlap. Asking again with the same sizes returns the same Partition;
-  asking with other sizes is an error until `release()`.
+- One Partition per (device, comm size), created on first request and shared: asking again returns the same one.
+  Splits of different sizes may coexist (their SM sets then overlap: a tuner or a benchmark comparing sizes holds
+  several); `release(device)` destroys every split of the device.
 - Isolation: on drivers with CUDA >= 13.1 each green context also gets a workqueue config (sharing scope
   GREEN_CTX_BALANCED, concurrency limit 1) so the two partitions do not share hardware work queues. Older drivers
   (the H200 here: driver 580 = CUDA 13.0) reject it; we warn once and go on with SM partitioning alone.
@@ -148,6 +150,24 @@ class Partition:
     facts: SmFacts
     workqueue_isolated: bool = False
     _handles: list = field(default_factory=list, repr=False)  # green contexts and streams to destroy
+    _contexts: tuple = field(default=(), repr=False)  # (comm, compute) green contexts: more streams on them
+
+    def new_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """Another (comm, compute) stream pair on this split's two partitions (ordinary streams when unpartitioned):
+        each user that needs its own stream order (a layer's lane per caller stream) takes one."""
+        if self.mode != "green":
+            with torch.cuda.device(self.device):
+                return torch.cuda.Stream(), torch.cuda.Stream()
+        drv = _driver()
+        out = []
+        for gctx in self._contexts:
+            stream = _check(
+                drv.cuGreenCtxStreamCreate(gctx, drv.CUstream_flags.CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate"
+            )
+            with _LOCK:
+                self._handles.insert(len(self._contexts), ("stream", stream))  # destroyed before the contexts
+            out.append(torch.cuda.get_stream_from_external(int(stream), self.device))
+        return out[0], out[1]
 
     def describe(self) -> str:
         wq = "workqueue-isolated" if self.workqueue_isolated else "shared workqueues"
@@ -155,7 +175,7 @@ class Partition:
 
 
 _LOCK = threading.Lock()
-_SPLITS: dict[int, Partition] = {}
+_SPLITS: dict[tuple[int, int], Partition] = {}
 _WARNED_WQ = False
 
 
@@ -182,13 +202,14 @@ def _workqueue_resource(dev):
     return res
 
 
-def _green_stream(dev, resources: list, device: int, handles: list) -> torch.cuda.Stream:
+def _green_stream(dev, resources: list, device: int, handles: list, contexts: list) -> torch.cuda.Stream:
     drv = _driver()
     desc = _check(drv.cuDevResourceGenerateDesc(resources, len(resources)), "cuDevResourceGenerateDesc")
     gctx = _check(
         drv.cuGreenCtxCreate(desc, dev, drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM), "cuGreenCtxCreate"
     )
     handles.append(("ctx", gctx))
+    contexts.append(gctx)
     stream = _check(
         drv.cuGreenCtxStreamCreate(gctx, drv.CUstream_flags.CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate"
     )
@@ -221,6 +242,7 @@ def _create_green(device: int, plan: SplitPlan, facts: SmFacts) -> Partition:
             f"requested {plan.comm_sms}-SM comm partition"
         )
     handles: list = []
+    contexts: list = []
     wq = None
     if facts.workqueue_config:
         try:
@@ -232,21 +254,31 @@ def _create_green(device: int, plan: SplitPlan, facts: SmFacts) -> Partition:
     try:
         extra = [wq] if wq is not None else []
         try:
-            comm_stream = _green_stream(dev, [comm_res, *extra], device, handles)
-            compute_stream = _green_stream(dev, [remaining, *extra], device, handles)
+            comm_stream = _green_stream(dev, [comm_res, *extra], device, handles, contexts)
+            compute_stream = _green_stream(dev, [remaining, *extra], device, handles, contexts)
         except GreenContextError as e:
             if not extra:
                 raise
             _warn_workqueue_once(str(e))  # e.g. CUDA_ERROR_INVALID_RESOURCE_TYPE (914) on a CUDA 13.0 driver
             _destroy(handles)
+            contexts.clear()
             wq = None
-            comm_stream = _green_stream(dev, [comm_res], device, handles)
-            compute_stream = _green_stream(dev, [remaining], device, handles)
+            comm_stream = _green_stream(dev, [comm_res], device, handles, contexts)
+            compute_stream = _green_stream(dev, [remaining], device, handles, contexts)
     except BaseException:
         _destroy(handles)
         raise
     return Partition(
-        device, "green", got_comm, got_compute, comm_stream, compute_stream, facts, wq is not None, handles
+        device,
+        "green",
+        got_comm,
+        got_compute,
+        comm_stream,
+        compute_stream,
+        facts,
+        wq is not None,
+        handles,
+        tuple(contexts),
     )
 
 
@@ -286,25 +318,18 @@ def split_device(comm_sms: int = 16, device: int | None = None, mode: Mode = "gr
         raise GreenContextError(f"green contexts unavailable on device {device}: {facts.reason}")
     plan = plan_split(comm_sms, facts.sm_count, facts.min_partition_size, facts.coscheduled_alignment)
     with _LOCK:
-        have = _SPLITS.get(device)
-        if have is not None:
-            if have.comm_sms == plan.comm_sms:
-                return have
-            raise GreenContextError(
-                f"device {device} is already split ({have.describe()}); call "
-                f"gcmoe_greenctx.release({device}) before splitting it as {plan.comm_sms} SMs"
-            )
-        part = _create_green(device, plan, facts)
-        _SPLITS[device] = part
-        return part
+        have = _SPLITS.get((device, plan.comm_sms))
+        if have is None:
+            have = _SPLITS[(device, plan.comm_sms)] = _create_green(device, plan, facts)
+        return have
 
 
 def release(device: int) -> None:
-    """Destroy the device's green contexts (synchronising their streams first). Graphs captured on them must not
-    be replayed afterwards."""
+    """Destroy every split of the device (synchronising it first). Graphs captured on its streams must not be
+    replayed afterwards, and layers holding its streams must not be called."""
     with _LOCK:
-        part = _SPLITS.pop(device, None)
-    if part is not None:
-        part.comm_stream.synchronize()
-        part.compute_stream.synchronize()
+        parts = [_SPLITS.pop(k) for k in [k for k in _SPLITS if k[0] == device]]
+    if parts:
+        torch.cuda.synchronize(device)
+    for part in parts:
         _destroy(part._handles)

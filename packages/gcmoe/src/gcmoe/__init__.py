@@ -6,6 +6,7 @@ layer.load_weights(w13, w2, shared_w13, shared_w2)
 y = layer(x, topk_ids, topk_weights)
 """
 
+from gcmoe_comm.workspace import CommError
 from gcmoe_core.config import MODEL_SHAPES, MoEConfig
 from gcmoe_core.formats import MXFP4Tensor, quantize_mxfp4
 from gcmoe_core.reference import MoEWeights
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MODEL_SHAPES",
     "BackendUnavailable",
+    "CommError",
     "MXFP4Tensor",
     "MoEConfig",
     "MoELayer",

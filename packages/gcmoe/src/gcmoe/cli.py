@@ -1,10 +1,12 @@
-"""The `gcmoe` command: info, demo, bench.
+"""The `gcmoe` command: info, demo, bench, tune.
 
 gcmoe info  [--json]                    versions, GPU arch and SMs, green-context facts, runnable backends
 gcmoe demo  [--model M] [--ep 8] [--tokens 4] [--backend B] [--json]
                                         one decode step of a model-shaped layer on the best backend, checked
-gcmoe bench [--models ...] [--tokens ...] [--backend B] [--json PATH]
-                                        timing table (CUDA-graph replay, cold L2, medians on a GPU)
+gcmoe bench [--models ...] [--tokens ...] [--variants ...] [--iters N] [--json PATH] [--markdown PATH] [--plot PATH]
+                                        the layer (partitioned / sequential / eager), torch FP8 and the peers side by
+                                        side: interleaved, cold L2, medians, next to the FP4 floor (gcmoe.bench)
+gcmoe tune  ...                         measure and cache the comm partition size per shape (gcmoe.tune)
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _version(dist: str) -> str | None:
 def info() -> dict:
     from gcmoe_greenctx import device_facts
 
-    from .backends import NAMES, status
+    from .backends import BACKENDS
 
     out: dict = {
         "packages": {p: _version(p) for p in PACKAGES},
@@ -63,7 +65,9 @@ def info() -> dict:
             )
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     out["backends"] = {
-        n: ("runnable" if st.runnable else f"unavailable: needs {st.missing}") for n in NAMES for st in [status(n, dev)]
+        n: ("runnable" if why is None else f"unavailable: needs {why}")
+        for n, b in BACKENDS.items()
+        for why in [b.missing(dev)]
     }
     return out
 
@@ -145,6 +149,17 @@ def demo(
     }
 
 
+def _tune_module():
+    """gcmoe.tune when it is there (None only when the module itself is absent; its own import errors raise)."""
+    try:
+        from . import tune
+    except ModuleNotFoundError as e:
+        if e.name == f"{__package__}.tune":
+            return None
+        raise
+    return tune if hasattr(tune, "add_cli") and hasattr(tune, "run_cli") else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gcmoe", description="gcmoe: MoE decode operator (green-context partitioned)")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -159,13 +174,49 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--device", default=None)
     p_demo.add_argument("--seed", type=int, default=0)
     p_demo.add_argument("--json", action="store_true")
-    p_bench = sub.add_parser("bench", help="timing table of a backend over model shapes and token counts")
-    p_bench.add_argument("--models", nargs="+", default=None)
-    p_bench.add_argument("--tokens", nargs="+", type=int, default=None)
-    p_bench.add_argument("--ep", type=int, default=8)
-    p_bench.add_argument("--backend", default=None)
+    from . import bench
+
+    p_bench = sub.add_parser(
+        "bench", help="the layer, torch FP8 and the peers side by side over model shapes and token counts"
+    )
+    p_bench.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        help=f"models, each as its EP slice, or custom:H,I,E,top_k,shared (default: {' '.join(bench.MODELS)}; "
+        f"CPU: {' '.join(bench.CPU_MODELS)})",
+    )
+    p_bench.add_argument(
+        "--tokens",
+        nargs="+",
+        type=int,
+        default=None,
+        help=f"token counts per rank (default: {' '.join(map(str, bench.TOKENS))}; "
+        f"CPU: {' '.join(map(str, bench.CPU_TOKENS))})",
+    )
+    p_bench.add_argument("--ep", type=int, default=8, help="expert parallelism the rank is a slice of")
+    p_bench.add_argument("--backend", default=None, help="the gcmoe layer's backend (default: auto)")
+    p_bench.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        choices=list(bench.VARIANTS),
+        metavar="VARIANT",
+        help=f"what to time, of {' '.join(bench.VARIANTS)} (default: all on a GPU, {' '.join(bench.CPU_VARIANTS)} "
+        "on a CPU)",
+    )
+    p_bench.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help=f"timed runs per variant and point (default {bench.GPU_ITERS}; CPU {bench.CPU_ITERS})",
+    )
     p_bench.add_argument("--json", metavar="PATH", default=None, help="also write the records as JSON to PATH")
     p_bench.add_argument("--markdown", metavar="PATH", default=None, help="also write a markdown table to PATH")
+    p_bench.add_argument("--plot", metavar="PATH", default=None, help="also write a PNG plot (time / floor vs T)")
+    tune = _tune_module()
+    if tune is not None:
+        tune.add_cli(sub)
     args = ap.parse_args(argv)
 
     if args.cmd == "info":
@@ -183,9 +234,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  check:   calc_diff = {r['calc_diff']:.3e} vs the {r['check']} -> {'OK' if r['ok'] else 'FAIL'}")
         return 0 if r["ok"] else 1
     if args.cmd == "bench":
-        from .bench import run_bench
-
-        return run_bench(args.models, args.tokens, args.ep, args.backend, args.json, args.markdown)
+        try:
+            bench.validate(args.models, args.tokens, args.variants, args.ep)
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        return bench.run_bench(
+            args.models,
+            args.tokens,
+            ep=args.ep,
+            backend=args.backend,
+            variants=args.variants,
+            iters=args.iters,
+            json_path=args.json,
+            md_path=args.markdown,
+            plot_path=args.plot,
+            argv=sys.argv[1:] if argv is None else argv,
+        )
+    if args.cmd == "tune" and tune is not None:
+        return tune.run_cli(args)
     return 2
 
 

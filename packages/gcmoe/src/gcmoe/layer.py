@@ -1,4 +1,4 @@
-"""Public API: a layer object and a functional form over the same prepacked weights.
+"""Public API: a layer object and a functional form over the same prepacked weights and plan.
 
     cfg = gcmoe.MoEConfig.from_model("deepseek-v4-flash")            # or MoEConfig(H, I, E, top_k, ...)
     layer = gcmoe.MoELayer(cfg, device="cuda")                       # backend chosen from the device (or backend=)
@@ -9,7 +9,9 @@
     packed = gcmoe.prepack(cfg, weights, device="cuda")              # functional: MoEWeights -> PackedMoE
     y = gcmoe.moe(x, topk_ids, topk_weights, packed)
 
-Every call validates its arguments (ValueError naming the argument and the limit) before anything launches.
+Every call validates its arguments (ValueError naming the argument and the limit) before anything launches. Eager
+calls go straight to the layer's plan; under torch.compile the call is the custom op torch.ops.gcmoe.moe_forward.
+A layer owns its plan (workspaces, partition, graphs): layers never share device state.
 """
 
 from __future__ import annotations
@@ -23,18 +25,24 @@ from gcmoe_core.config import MoEConfig, validate_call, validate_weights
 from gcmoe_core.formats import MXFP4Tensor
 from gcmoe_core.reference import MoEWeights
 
-from . import ops  # noqa: F401  (registers torch.ops.gcmoe)
-from .backends import IMPLS, choose
+from . import ops
+from .backends import LayerOptions, choose, get
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PackedMoE:
-    """Weights prepacked for one backend on one device."""
+    """Weights prepacked for one backend on one device, and the plan (resources) that runs them."""
 
     cfg: MoEConfig
     backend: str
     device: torch.device
     tensors: tuple[torch.Tensor, ...]
+    plan: object
+    handle: int = 0
+
+    def check(self) -> None:
+        """Raise any error a call recorded on the device (synchronises)."""
+        self.plan.check()
 
 
 def _device(device) -> torch.device:
@@ -43,15 +51,6 @@ def _device(device) -> torch.device:
     if d.type == "cuda" and d.index is None:
         d = torch.device("cuda", torch.cuda.current_device())
     return d
-
-
-def _check_ep(cfg: MoEConfig) -> None:
-    if cfg.ep_size > 1:
-        raise ValueError(
-            f"gcmoe: ep_size: P = {cfg.ep_size} > 1 needs the gcmoe-comm dispatch workspace, which this release does "
-            "not ship yet; use MoEConfig.ep_slice(model, ep) for one rank's local experts, or "
-            "gcmoe_core.multirank.multirank_reference to simulate P ranks"
-        )
 
 
 def _check_weights_match(cfg: MoEConfig, weights: MoEWeights) -> None:
@@ -71,14 +70,25 @@ def _check_weights_match(cfg: MoEConfig, weights: MoEWeights) -> None:
         )
 
 
-def prepack(cfg: MoEConfig, weights: MoEWeights, device=None, backend: str | None = None) -> PackedMoE:
-    """Place and convert weights once for the chosen backend (the caller reuses the result across calls)."""
-    _check_ep(cfg)
+def prepack(
+    cfg: MoEConfig,
+    weights: MoEWeights,
+    device=None,
+    backend: str | None = None,
+    options: LayerOptions | None = None,
+) -> PackedMoE:
+    """Place and convert weights once for the chosen backend and build the plan that runs them (the caller reuses
+    the result across calls). With ep_size > 1 this is collective over the options' process group."""
     _check_weights_match(cfg, weights)
     device = _device(device if device is not None else weights.device)
-    name = choose(device, backend, cfg)
-    tensors = IMPLS[name].prepack(weights.to(device))
-    return PackedMoE(cfg, name, device, tuple(tensors))
+    options = options or LayerOptions()
+    name = choose(device, backend, cfg) if not options.emulate else (backend or "reference")
+    impl = get(name)
+    tensors = impl.prepack(cfg, weights.to(device), device)
+    plan = impl.plan(cfg, tensors, device, options)
+    packed = PackedMoE(cfg, name, device, tuple(tensors), plan)
+    object.__setattr__(packed, "handle", ops.register_plan(packed, plan))
+    return packed
 
 
 def moe(
@@ -88,31 +98,40 @@ def moe(
     packed: PackedMoE,
     check_values: bool | None = None,
 ) -> torch.Tensor:
-    """y [T, H] bf16. check_values=None follows GCMOE_CHECK_VALUES (default on; skipped inside graph capture)."""
+    """y [T, H] bf16. check_values=None follows GCMOE_CHECK_VALUES (default on): out-of-range ids and non-finite
+    weights raise ValueError, at the latest on the next call (kernel backends check on the device)."""
     validate_call(packed.cfg, x, topk_ids, topk_weights, device=packed.device, check_values=False)
     if check_values is None:
         check_values = env.get_bool("GCMOE_CHECK_VALUES")
-    return torch.ops.gcmoe.moe_forward(
-        x,
-        topk_ids,
-        topk_weights,
-        list(packed.tensors),
-        packed.backend,
-        packed.cfg.quant,
-        packed.cfg.num_experts,
-        check_values,
-    )
+    if torch.compiler.is_compiling():
+        return torch.ops.gcmoe.moe_forward(x, topk_ids, topk_weights, list(packed.tensors), packed.handle, check_values)
+    return packed.plan.forward(x, topk_ids, topk_weights, check_values)
 
 
 class MoELayer(torch.nn.Module):
-    """The routed (+ shared) experts of one MoE layer on one rank."""
+    """The routed (+ shared) experts of one MoE layer on one rank.
 
-    def __init__(self, cfg: MoEConfig, device=None, backend: str | None = None):
+    comm_sms: SMs of the communication partition (None: tuned per device and shape, GCMOE_COMM_SMS forces it; 0: no
+    partition). group: the process group of the ep_size ranks (ep_size > 1). emulate: the backend's pipeline with
+    torch models of its kernels (any device). kernel_config / timeout_ms: see gcmoe.backends.LayerOptions."""
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        device=None,
+        backend: str | None = None,
+        *,
+        comm_sms: int | None = None,
+        group=None,
+        emulate: bool = False,
+        kernel_config=None,
+        timeout_ms: float | None = None,
+    ):
         super().__init__()
-        _check_ep(cfg)
         self.cfg = cfg
         self.device = _device(device if device is not None else "cpu")
-        self.backend = choose(self.device, backend, cfg)
+        self.options = LayerOptions(comm_sms, group, emulate, kernel_config, timeout_ms)
+        self.backend = backend or "reference" if emulate else choose(self.device, backend, cfg)
         self.packed: PackedMoE | None = None
 
     def load_weights(self, w13, w2, shared_w13=None, shared_w2=None) -> MoELayer:
@@ -135,7 +154,7 @@ class MoELayer(torch.nn.Module):
         return self.load(MoEWeights(w13, w2, shared_w13, shared_w2))
 
     def load(self, weights: MoEWeights) -> MoELayer:
-        self.packed = prepack(self.cfg, weights, self.device, self.backend)
+        self.packed = prepack(self.cfg, weights, self.device, self.backend, self.options)
         return self
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -143,9 +162,22 @@ class MoELayer(torch.nn.Module):
             raise RuntimeError("gcmoe: MoELayer: no weights loaded (call load_weights, load_mxfp4 or load first)")
         return moe(x, topk_ids, topk_weights, self.packed)
 
+    def check(self) -> None:
+        """Raise any error a call recorded on the device (CommError after a failed cross-rank wait, ValueError for
+        bad ids / weights in a call made with value checks off or captured in a graph); synchronises."""
+        if self.packed is not None:
+            self.packed.check()
+
+    def describe(self) -> dict:
+        """What runs: backend, partition sizes, the path per token bucket."""
+        if self.packed is None:
+            return {"backend": self.backend, "loaded": False}
+        return self.packed.plan.describe()
+
     def extra_repr(self) -> str:
         c = self.cfg
         return (
             f"H={c.hidden_size}, I={c.intermediate_size}, E={c.num_experts}, top_k={c.top_k}, "
-            f"shared={c.num_shared_experts}, quant={c.quant}, backend={self.backend}, device={self.device}"
+            f"shared={c.num_shared_experts}, ep_size={c.ep_size}, quant={c.quant}, backend={self.backend}, "
+            f"device={self.device}"
         )

@@ -1,14 +1,36 @@
-"""The operator as a torch.library custom op (`torch.ops.gcmoe.moe_forward`), with a fake implementation so it
-traces under torch.compile, and a capture-safe eager implementation (value checks are skipped while a CUDA graph is
-being captured; everything else is the same)."""
+"""The operator as a torch.library custom op (`torch.ops.gcmoe.moe_forward`) with a fake implementation, so a layer
+traces under torch.compile (fullgraph) and records inside a caller's CUDA-graph capture.
+
+The op names the layer's plan by a handle (an int the plan registers under while its layer lives): the plan holds the
+layer's workspaces, partition and graphs, which are not tensors the compiler should see. The prepacked weights ride
+along as arguments so the compiler orders the call after whatever produced them. Eager calls from MoELayer skip the
+op's dispatch and call the plan directly (same code below it).
+"""
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
-from gcmoe_core.config import check_call_values
+_PLANS: dict[int, object] = {}
+_HANDLES = itertools.count(1)
 
-from .backends import IMPLS
+
+def register_plan(owner: object, plan: object) -> int:
+    """A handle for `plan`, valid while `owner` (the layer or PackedMoE holding the plan) lives."""
+    handle = next(_HANDLES)
+    _PLANS[handle] = plan
+    weakref.finalize(owner, _PLANS.pop, handle, None)
+    return handle
+
+
+def plan_of(handle: int):
+    try:
+        return _PLANS[handle]
+    except KeyError:
+        raise RuntimeError(f"gcmoe: layer handle {handle} is not live (its layer was deleted)") from None
 
 
 @torch.library.custom_op("gcmoe::moe_forward", mutates_args=())
@@ -17,18 +39,13 @@ def moe_forward(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     weights: list[torch.Tensor],
-    backend: str,
-    quant: str,
-    num_experts: int,
+    layer: int,
     check_values: bool,
 ) -> torch.Tensor:
-    """y [T, H] bf16 = MoE(x [T, H] bf16, topk_ids [T, k], topk_weights [T, k] fp32) with prepacked `weights`."""
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if check_values and not capturing:
-        check_call_values(num_experts, topk_ids, topk_weights)
-    return IMPLS[backend].forward(x, topk_ids, topk_weights, weights, quant, num_experts)
+    """y [T, H] bf16 = MoE(x [T, H] bf16, topk_ids [T, k], topk_weights [T, k] fp32) of the layer behind `layer`."""
+    return plan_of(layer).forward(x, topk_ids, topk_weights, check_values)
 
 
 @moe_forward.register_fake
-def _moe_forward_fake(x, topk_ids, topk_weights, weights, backend, quant, num_experts, check_values):
+def _moe_forward_fake(x, topk_ids, topk_weights, weights, layer, check_values):
     return torch.empty_like(x)

@@ -1,24 +1,27 @@
-"""Memory operations on raw 64-bit addresses (a peer's workspace base + a layout offset) for the comm kernels, as
-inline PTX so the memory-model semantics are explicit: acquire / release / relaxed with a scope, 16-byte vector
-copies, and the bounded spin-wait every cross-rank wait goes through. Imports CuTe DSL: kernel modules only.
+"""Memory operations on raw 64-bit addresses (a peer's workspace base + a layout offset, a signal word) for the comm
+kernels and the grouped GEMMs that synchronise with them, as inline PTX so the memory-model semantics are explicit:
+acquire / release / relaxed with a scope, 16-byte vector copies, and the bounded spin-wait every cross-rank and
+cross-partition wait goes through. Imports CuTe DSL: kernel modules only.
 
     ld_acquire_u32(addr, scope)      ld.acquire.{gpu,sys}.global.u32
     st_release_u32(addr, v, scope)   st.release.{gpu,sys}.global.u32
     atom_add_u32(addr, v, sem, scope)
-    ld_u32 / st_u32 / ld_v4 / st_v4  weak global accesses (after an acquire, before a release)
-    wait_until_eq(addr, want, timeout_ns) -> value seen (== want unless the bound expired)
+    ld_u32 / st_u32 / ld_v4 / st_v4 / ld_u64   weak global accesses (after an acquire, before a release)
+    st_bf16(addr, v)                 one fp32 -> bf16 (RNE, as torch's .to(bfloat16)) stored at a raw address
+    wait_until_eq(addr, want, timeout_ns, scope, err_addr) -> value seen (== want unless the bound expired or the
+                                     error word became non-zero)
     record_error(err_addr, kind, rank, gen, seen)   first failure wins (CAS on the code word)
 """
 
 # No `from __future__ import annotations`: the DSL reads the annotations as live objects.
-from gcmoe_core.cutedsl import cutlass_modules
-from gcmoe_core.kernel_helpers import inline_ptx as _asm
+from .cutedsl import cutlass_modules
+from .kernel_helpers import inline_ptx as _asm
 
 cutlass, cute = cutlass_modules()
 from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
-Int32, Int64 = cutlass.Int32, cutlass.Int64
+Int32, Int64, Float32 = cutlass.Int32, cutlass.Int64, cutlass.Float32
 
 
 @dsl_user_op
@@ -43,8 +46,8 @@ def atom_add_u32(addr, val, sem: str = "release", scope: str = "sys", *, loc=Non
 
 
 @dsl_user_op
-def atom_cas_u32(addr, cmp, val, scope: str = "sys", *, loc=None, ip=None):
-    text = f"atom.relaxed.{scope}.global.cas.b32 $0, [$1], $2, $3;"
+def atom_cas_u32(addr, cmp, val, scope: str = "sys", sem: str = "relaxed", *, loc=None, ip=None):
+    text = f"atom.{sem}.{scope}.global.cas.b32 $0, [$1], $2, $3;"
     return Int32(_asm(T.i32(), [Int64(addr), Int32(cmp), Int32(val)], text, "=r,l,r,r,~{memory}", loc, ip))
 
 
@@ -56,6 +59,11 @@ def fence_sys(*, loc=None, ip=None):
 @dsl_user_op
 def fence_gpu(*, loc=None, ip=None):
     _asm(None, [], "fence.acq_rel.gpu;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def fence_scope(scope: str, *, loc=None, ip=None):
+    _asm(None, [], f"fence.acq_rel.{scope};", "~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -71,6 +79,18 @@ def ld_u32(addr, *, loc=None, ip=None):
 @dsl_user_op
 def st_u32(addr, val, *, loc=None, ip=None):
     _asm(None, [Int64(addr), Int32(val)], "st.global.u32 [$0], $1;", "l,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_u64(addr, *, loc=None, ip=None):
+    return Int64(_asm(T.i64(), [Int64(addr)], "ld.global.u64 $0, [$1];", "=l,l,~{memory}", loc, ip))
+
+
+@dsl_user_op
+def st_bf16(addr, val, *, loc=None, ip=None):
+    """bf16(val) (round to nearest even) stored at a 2-byte aligned global address."""
+    text = "{\n.reg .b16 h;\ncvt.rn.bf16.f32 h, $1;\nst.global.b16 [$0], h;\n}"
+    _asm(None, [Int64(addr), Float32(val)], text, "l,f,~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -101,15 +121,16 @@ def st_v4(addr, a, b, c, d, *, loc=None, ip=None):
 
 
 @cute.jit
-def wait_until_eq(addr: Int64, want: Int32, timeout_ns: Int64, scope: cutlass.Constexpr[str]) -> Int32:
-    """Spin (with a short backoff) until the word at addr equals want or timeout_ns passed; the last value seen."""
+def wait_until_eq(addr: Int64, want: Int32, timeout_ns: Int64, scope: cutlass.Constexpr[str], err_addr: Int64) -> Int32:
+    """Spin (with a short backoff) until the word at addr equals want, timeout_ns passed, or the error word at
+    err_addr became non-zero (another wait of this call failed: stop at once); the last value seen."""
     seen = ld_acquire_u32(addr, scope)
     deadline = cute.arch.globaltimer() + timeout_ns
     spinning = seen != want
     while spinning:
         nanosleep(32)
         seen = ld_acquire_u32(addr, scope)
-        spinning = seen != want and cute.arch.globaltimer() <= deadline
+        spinning = seen != want and cute.arch.globaltimer() <= deadline and ld_relaxed_u32(err_addr, "gpu") == 0
     return seen
 
 

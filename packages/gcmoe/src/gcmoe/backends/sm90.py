@@ -1,0 +1,528 @@
+"""The sm90 backend: one layer = gcmoe-comm's publish / dispatch and finalize kernels around gcmoe-gemm-sm90's W1 / W2
+on two green-context partitions, replayed as a captured role graph per token bucket. This module owns the layer's
+pipeline (the component packages export kernels only).
+
+    call on rank r, T tokens (T <= max_tokens_per_rank), bucket = the power of two >= T:
+
+      caller stream ──fork──┬─ comm partition:    publish (FP8 x, routing + shared slots, READY) ─► dispatch (ring)
+                            └─ compute partition: W1 (waits OFFS, each block's L1_FULL) ─► W2 (scatter to the source
+                                                  ranks' combine buffers) ─► finalize (combined, RECV, slot sum) ─► y
+      ──join──► caller stream
+
+    The shared experts ride the ring as local experts E/P .. E/P + S - 1 of every rank, fed from its own tokens (the
+    design's fourth node, fused into W1 / W2 instead of a fifth and sixth launch).
+    comm_sms = 0 for the bucket (the tuned policy above its token threshold, or MoELayer(comm_sms=0)): the same five
+    kernels on the caller's stream, in order.
+
+Resources (all owned by the plan, none module-global):
+    lane       one per caller stream (created on that stream's first call, also under capture: relaxed capture mode
+               on a private stream): its workspace (Workspace.virtual for P = 1, Workspace.symmetric for P > 1 —
+               collective, so P > 1 layers take every lane at load), CommRank, W1 output buffers, its own stream
+               pair on each partition, the host argument-slot ring and status words (pinned), and one captured
+               graph per bucket. Calls on two streams never share a workspace; two captures replayed at once on
+               one lane are refused on the device (ERR kind BUSY -> CommError), never silently mixed.
+    eager call the bucket's graph replayed after writing (x, ids, w, out, T) into the next host slot: no kernel is
+               launched from Python and nothing is captured per call (a few µs of host time).
+    captured   inside a caller's torch.cuda.graph capture, the same kernels are enqueued with their arguments by
+               value on the lane's partition streams forked from the capture stream: the caller's graph keeps the
+               layer's nodes on their partitions.
+    checks     ids outside [0, E) and non-finite weights are checked by publish on the device (a bad id is dropped,
+               never dereferenced) and raised as ValueError on the next call (which waits for the previous call's
+               publish when values are checked); a failed cross-rank wait raises CommError at the next call once
+               its finalize ran (or at layer.check()).
+
+LayerOptions(emulate=True): the same pipeline in torch on any device (ring emulation, kernel models), for CPU CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from dataclasses import replace
+
+import torch
+from cuda.bindings import driver as _driver
+
+from gcmoe_comm.workspace import CommError, bad_input_message, error_message
+from gcmoe_core.config import MoEConfig, check_call_values
+from gcmoe_core.reference import MoEWeights, combine_slots
+
+from . import LayerOptions, cuda_missing, kernel_package_missing
+
+HOST_WAIT_S = 60.0  # the host never waits longer than this for the device to consume an argument slot
+
+
+def token_bucket(tokens: int) -> int:
+    """The power of two >= tokens: calls of 5..8 tokens replay the graph captured for 8."""
+    return 1 << (max(1, tokens) - 1).bit_length()
+
+
+def ring_spec(cfg: MoEConfig):
+    from gcmoe_comm.ring import RingSpec
+
+    return RingSpec.from_config(cfg, bm=8)
+
+
+class Sm90Backend:
+    name = "sm90"
+    auto = True
+
+    def missing(self, device: torch.device, cfg: MoEConfig | None = None) -> str | None:
+        why = cuda_missing(device, (9, 0)) or kernel_package_missing("gcmoe_gemm_sm90", cfg)
+        if why is None and cfg is not None:
+            from gcmoe_comm.comm import CommRank
+
+            try:
+                CommRank.validate_spec(ring_spec(cfg))
+            except ValueError as e:
+                return f"a routing table that fits the dispatch kernel's shared memory ({e})"
+        return why
+
+    def prepack(self, cfg: MoEConfig, weights: MoEWeights, device: torch.device) -> tuple[torch.Tensor, ...]:
+        from gcmoe_gemm_sm90.ops import MoESm90
+
+        return tuple(MoESm90.from_weights(weights).tensors())
+
+    def plan(self, cfg: MoEConfig, tensors, device: torch.device, options: LayerOptions):
+        if options.emulate:
+            return Sm90EmulatedPlan(cfg, tensors, device, options)
+        return Sm90Plan(cfg, tensors, device, options)
+
+
+def _weights(cfg: MoEConfig, tensors, options: LayerOptions):
+    from gcmoe_gemm_sm90.ops import MoESm90
+
+    moe = MoESm90.from_tensors(list(tensors), cfg.local_experts)
+    moe.cfg = options.kernel_config
+    return moe
+
+
+# ------------------------------------------------------------------------------------------------- the GPU plan
+class Sm90Plan:
+    """One layer on the sm90 path. workspace: a given rank's workspace (virtual ranks, see virtual_ranks); by default
+    the plan makes its own (symmetric for ep_size > 1)."""
+
+    def __init__(self, cfg: MoEConfig, tensors, device: torch.device, options: LayerOptions, workspace=None):
+        from .. import tune
+
+        self.cfg, self.device, self.options = cfg, device, options
+        self.moe = _weights(cfg, tensors, options)
+        self.spec = ring_spec(cfg)
+        props = torch.cuda.get_device_properties(device)
+        self.sm_count = props.multi_processor_count
+        if options.comm_sms is None:
+            self.policy = tune.policy(cfg, props.name, self.sm_count)
+        else:
+            c = tune.check_comm_sms(options.comm_sms, self.sm_count, "gcmoe: MoELayer(comm_sms=...)")
+            self.policy = tune.Policy(c, math.inf if c else 0, f"MoELayer(comm_sms={c})")
+        self.timeout_ms = options.timeout_ms
+        self.group = options.group
+        self._workspace = workspace
+        if cfg.ep_size > 1 and self.group is None and workspace is None:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise ValueError(
+                    f"gcmoe: ep_size: P = {cfg.ep_size} needs a torch.distributed process group of P ranks "
+                    "(init_process_group, then MoELayer(..., group=...) or the world group)"
+                )
+            self.group = dist.group.WORLD
+        self._lanes: dict[int, Lane] = {}
+        self._lock = threading.Lock()
+        self.lane(torch.cuda.current_stream(device))  # the load stream's lane: kernels loaded, (P > 1) rendezvous
+
+    # -- lanes
+    def lane(self, stream: torch.cuda.Stream) -> Lane:
+        """The lane of a caller stream (created on its first call). ep_size > 1: the one lane made at load, whatever
+        the stream (its workspace is collective; concurrent calls on it are refused on the device, kind BUSY)."""
+        if self.cfg.ep_size > 1 and self._lanes:
+            return next(iter(self._lanes.values()))
+        key = stream.cuda_stream
+        lane = self._lanes.get(key)
+        if lane is None:
+            with self._lock:
+                lane = self._lanes.get(key)
+                if lane is None:
+                    lane = self._lanes[key] = Lane(self, stream, self._workspace)
+        return lane
+
+    def kernel_config(self, bucket: int):
+        return self.moe.config_for(bucket, self.cfg.top_k)
+
+    # -- LayerPlan
+    def forward(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
+        stream = torch.cuda.current_stream(self.device)
+        lane = self.lane(stream)
+        if torch.cuda.is_current_stream_capturing():
+            return lane.enqueue_captured(x, topk_ids, topk_weights)
+        return lane.call(x, topk_ids, topk_weights, check_values)
+
+    def check(self) -> None:
+        for lane in list(self._lanes.values()):
+            lane.check()
+
+    def recover(self) -> None:
+        """After a CommError: zero every lane's signals (collective for P > 1) so calls start over."""
+        for lane in list(self._lanes.values()):
+            lane.recover()
+
+    def describe(self) -> dict:
+        buckets = _buckets(self.cfg.max_tokens_per_rank)
+        return {
+            "backend": "sm90",
+            "device": str(self.device),
+            "ep_size": self.cfg.ep_size,
+            "policy": {
+                "comm_sms": self.policy.comm_sms,
+                "unpartitioned_above": self.policy.unpartitioned_above,
+                "source": self.policy.source,
+            },
+            "comm_sms_by_bucket": {b: self.policy.mode_for(b) for b in buckets},
+            "n_tile_by_bucket": {b: self.kernel_config(b).n_tile for b in buckets},
+            "lanes": len(self._lanes),
+        }
+
+
+class Lane:
+    """One caller stream's resources (see the module docstring)."""
+
+    def __init__(self, plan: Sm90Plan, stream: torch.cuda.Stream, workspace=None):
+        from gcmoe_comm.comm import CommRank
+        from gcmoe_comm.kernels import NSLOTS, SLOT_WORDS, STATUS_WORDS
+        from gcmoe_comm.workspace import Workspace
+
+        self.plan = plan
+        cfg, spec, dev = plan.cfg, plan.spec, plan.device
+        self.nslots = NSLOTS
+        self.probe = None  # tests: (comm, compute) int32 tensors the %smid probe fills beside the roles
+        with _outside_capture(dev):
+            if workspace is not None:
+                self.ws = workspace
+            elif cfg.ep_size > 1:
+                self.ws = Workspace.symmetric(spec, plan.group)  # collective
+            else:
+                self.ws = Workspace.virtual(spec, dev)[0]
+            self.comm = CommRank(self.ws, dispatch_ctas=16, finalize_ctas=16, timeout_ms=plan.timeout_ms)
+            v = self.ws.views
+            rows, inter = spec.capacity, cfg.intermediate_size
+            self.hq = torch.zeros(rows, inter, dtype=torch.uint8, device=dev)
+            self.hsT = torch.zeros(2 * inter // 256, rows, dtype=torch.float32, device=dev)
+            self.comb = torch.empty(len(self.ws.combine_ptrs), dtype=torch.int64, device=dev)
+            for q, ptr in enumerate(self.ws.combine_ptrs):  # (no host-to-device copy: legal under a capture too)
+                self.comb[q].fill_(ptr)
+            self.ring = (v.ring_x, v.ring_sxT, v.ring_w, v.ring_offsets, v.ring_counts, v.ring_dst, v.ring_src)
+            # each eager call's (x, ids, weights, out, T, ids-are-int64): written to a pinned staging slot, copied
+            # (async, on the call's stream) into the device argument block the bucket graphs' publish reads
+            self.slots = torch.zeros(NSLOTS, SLOT_WORDS, dtype=torch.int64, pin_memory=True)
+            self.args = torch.zeros(SLOT_WORDS, dtype=torch.int64, device=dev)
+            self._args_ptr = _driver.CUdeviceptr(self.args.data_ptr())
+            self._slot0, self._slot_bytes = self.slots.data_ptr(), 8 * SLOT_WORDS
+            self._hidden = cfg.hidden_size
+            self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=True)
+            self._slots_np, self._status_np = self.slots.numpy(), self.status.numpy()
+            self.seq = 0  # slot calls issued
+            self.streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+            self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+            self.comm.load()  # every comm kernel loaded before the first cross-rank wait
+        if cfg.ep_size > 1:
+            # every bucket's GEMMs compiled and loaded and its graph captured before the first cross-rank wait too (a
+            # rank that compiles a new shape for seconds, or synchronises its device to capture a graph, while its
+            # peers already wait would look dead to them), then the rendezvous
+            for b in _buckets(cfg.max_tokens_per_rank):
+                self.graph(b)
+            torch.cuda.synchronize(dev)
+            if workspace is None:
+                import torch.distributed as dist
+
+                dist.barrier(plan.group)
+
+    # -- kernels
+    def _ring_sync(self, ticket: int):
+        from gcmoe_comm.workspace import SIG_CGEN, SIG_ERR, SIG_INUSE, SIG_L1_FULL, SIG_OFFS
+        from gcmoe_gemm_sm90.ops import RingSync
+
+        base = self.ws.base
+        # the compute role's waits end when this rank's dispatch has run, which itself waits up to the bound for its
+        # peers: twice the bound, so a dead peer is reported as the root cause (its ready tag), not as this rank's ring
+        return RingSync(
+            base + 4 * SIG_INUSE,
+            base + 4 * SIG_CGEN,
+            base + 4 * SIG_OFFS,
+            base + 4 * SIG_ERR,
+            base + 4 * SIG_L1_FULL,
+            ticket,
+            2 * self.comm.timeout_ns,
+        )
+
+    def _gemms(self, kcfg, ticket: int) -> None:
+        """W1 then W2 on this lane's ring (ring mode), on the current stream."""
+        from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
+
+        x, sxT, rw, offs, cnt, dst, src = self.ring
+        sync = self._ring_sync(ticket)
+        moe = self.plan.moe
+        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync)
+        launch_w2(moe.w2, self.hq, self.hsT, offs, cnt, dst, src, self.comb, kcfg, sync)
+
+    def _load_gemms(self, kcfg) -> None:
+        """Compile + load one bucket's W1 / W2 by launching them with ERR set to WARMUP (they return at once)."""
+        from gcmoe_comm.workspace import SIG_ERR
+        from gcmoe_core.signals import ERR_WARMUP
+
+        err = self.ws.views.signals[SIG_ERR : SIG_ERR + 1]
+        _quiesce(self.plan.device)  # no call of this lane in flight while ERR says WARMUP
+        err.fill_(ERR_WARMUP)
+        self._gemms(_ring_config(kcfg), 1)
+        err.zero_()
+        _quiesce(self.plan.device)
+
+    def _partition_streams(self, comm_sms: int):
+        """This lane's (comm, compute) streams on the device's split of comm_sms SMs (created outside any capture)."""
+        if comm_sms not in self.streams:
+            from gcmoe_greenctx import split_device
+
+            with _outside_capture(self.plan.device):
+                part = split_device(comm_sms, self.plan.device.index, mode="auto")
+                self.streams[comm_sms] = part.new_streams()
+        return self.streams[comm_sms]
+
+    def _enqueue(self, bucket: int, ticket: int, publish, out: torch.Tensor | None):
+        """The five kernels of one call on the current stream (sequential) or forked onto this lane's partition
+        streams and joined back; publish() enqueues the publish launch (by value or from the slots)."""
+        plan = self.plan
+        kcfg = _ring_config(plan.kernel_config(bucket))
+        comm_sms = plan.policy.mode_for(bucket)
+        origin = torch.cuda.current_stream(plan.device)
+
+        def comm_role():
+            publish()
+            self.comm.dispatch()
+
+        def compute_role():
+            self._gemms(kcfg, ticket)
+            self.comm.finalize(out, status=0 if out is not None else self.status.data_ptr())
+
+        if self.probe is not None:  # tests: which SMs each role's stream runs on, beside the roles
+            from gcmoe_greenctx.kernel_smid import record_smids
+
+            comm_role = _then(comm_role, lambda: record_smids(self.probe[0], 20_000))
+            compute_role = _then(compute_role, lambda: record_smids(self.probe[1], 20_000))
+        if comm_sms == 0:
+            comm_role()
+            compute_role()
+            return
+        comm_s, comp_s = self._partition_streams(comm_sms)
+        fork = torch.cuda.Event()
+        fork.record(origin)
+        comm_s.wait_event(fork)
+        comp_s.wait_event(fork)
+        with torch.cuda.stream(comm_s):
+            comm_role()
+        with torch.cuda.stream(comp_s):
+            compute_role()
+        done_comm, done_comp = torch.cuda.Event(), torch.cuda.Event()
+        done_comm.record(comm_s)
+        done_comp.record(comp_s)
+        origin.wait_event(done_comm)
+        origin.wait_event(done_comp)
+
+    # -- the captured path (inside a caller's capture): by-value arguments
+    def enqueue_captured(self, x, topk_ids, topk_weights) -> torch.Tensor:
+        from gcmoe_comm.comm import new_ticket
+
+        t = x.shape[0]
+        out = torch.empty(t, self.plan.cfg.hidden_size, dtype=torch.bfloat16, device=x.device)
+        ticket = new_ticket()
+        self._enqueue(token_bucket(t), ticket, lambda: self.comm.publish(x, topk_ids, topk_weights, ticket), out)
+        return out
+
+    # -- the eager path: the bucket's graph, arguments through the host slots
+    def graph(self, bucket: int) -> torch.cuda.CUDAGraph:
+        g = self.graphs.get(bucket)
+        if g is None:
+            from gcmoe_comm.comm import new_ticket
+
+            ticket = new_ticket()
+            ctas = self.comm.publish_ctas(bucket)
+            publish = lambda: self.comm.publish_slots(self.args.data_ptr(), self.status.data_ptr(), ticket, ctas)
+            self._load_gemms(self.plan.kernel_config(bucket))  # compile + load outside the capture
+            comm_sms = self.plan.policy.mode_for(bucket)
+            if comm_sms:
+                self._partition_streams(comm_sms)
+            g = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream(device=self.plan.device)
+            with torch.cuda.graph(g, stream=side):
+                self._enqueue(bucket, ticket, publish, None)
+            self.graphs[bucket] = g
+        return g
+
+    def call(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
+        """The eager path (host work per call: a few Python steps, one async copy, one graph launch)."""
+        t = x.shape[0]
+        n = self.seq
+        st = self._status_np
+        if st[8]:
+            self._raise_comm_error()
+        if check_values and n > 0:
+            if st[0] < n:
+                self._wait_done(n)  # the previous call's publish ran: its BAD words are in the status
+            if st[1]:
+                self._raise_bad()
+        if n >= self.nslots and st[0] < n - self.nslots + 1:
+            self._wait_done(n - self.nslots + 1)  # staging slot n mod NSLOTS: its copy has run
+        out = torch.empty(t, self._hidden, dtype=torch.bfloat16, device=x.device)
+        graph = self.graphs.get(1 << (t - 1).bit_length()) or self.graph(token_bucket(t))
+        k = n % self.nslots
+        row = self._slots_np[k]
+        row[0], row[1], row[2], row[3] = x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr()
+        row[4], row[5] = t, topk_ids.dtype == torch.int64
+        err = _driver.cuMemcpyHtoDAsync(
+            self._args_ptr,
+            self._slot0 + k * self._slot_bytes,
+            self._slot_bytes,
+            _driver.CUstream(torch.cuda.current_stream(self.plan.device).cuda_stream),
+        )[0]
+        if err != _driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"gcmoe: copying the call's arguments to the device failed: {err}")
+        graph.replay()
+        self.seq = n + 1
+        return out
+
+    def _wait_done(self, n: int) -> None:
+        """Spin (sleeping) until the device's publish has consumed n slot calls."""
+        st = self._status_np
+        if int(st[0]) >= n:
+            return
+        start = time.monotonic()
+        while int(st[0]) < n:  # spin first (the wait is usually µs; a sleep costs ~60 µs or more), then sleep
+            waited = time.monotonic() - start
+            if waited > 1e-3:
+                self._raise_comm_error()
+                if waited > HOST_WAIT_S:
+                    raise RuntimeError(
+                        f"gcmoe: the device consumed {int(st[0])} of {n} calls within {HOST_WAIT_S:.0f} s; is it hung?"
+                    )
+                time.sleep(1e-4)
+
+    def _raise_bad(self) -> None:
+        st = self._status_np
+        msg = bad_input_message([int(v) for v in st[1:5]], self.plan.spec.num_experts)
+        if msg is not None:
+            st[1:5] = 0
+            raise ValueError(msg)
+
+    def _raise_comm_error(self) -> None:
+        st = self._status_np
+        if st[8] != 0:
+            raise CommError(error_message([int(v) for v in st[8:13]], self.ws.rank, self.plan.spec.ranks))
+
+    def check(self) -> None:
+        torch.cuda.synchronize(self.plan.device)
+        self.ws.check()
+        msg = self.ws.bad_input()
+        if msg is None:
+            self._raise_bad()
+        else:
+            raise ValueError(msg)
+
+    def recover(self) -> None:
+        self.ws.recover()
+        self.seq = 0
+        self.status.zero_()
+
+
+def _then(first, second):
+    def both():
+        first()
+        second()
+
+    return both
+
+
+def virtual_ranks(cfg: MoEConfig, tensors_per_rank, device: torch.device, options: LayerOptions) -> list[Sm90Plan]:
+    """cfg.ep_size = P ranks in this process on one GPU (tests, benchmarks): rank q's plan holds its prepacked
+    experts tensors_per_rank[q] and its buffer of one Workspace.virtual set, so dispatch pulls and the W2 scatter
+    cross rank boundaries through the peer table exactly as across GPUs. Call each rank on its own stream (the ranks'
+    kernels wait for each other)."""
+    from gcmoe_comm.workspace import Workspace
+
+    wss = Workspace.virtual(ring_spec(cfg), device)
+    return [Sm90Plan(cfg, tensors, device, options, workspace=ws) for tensors, ws in zip(tensors_per_rank, wss)]
+
+
+def _quiesce(device: torch.device) -> None:
+    """Wait for the device (its current stream only while another stream is being captured: a device-wide
+    synchronisation is refused then; a lane being made under capture has nothing in flight elsewhere)."""
+    if torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream(device).synchronize()
+    else:
+        torch.cuda.synchronize(device)
+
+
+def _ring_config(kcfg):
+    return replace(kcfg, ring=True, ring_bm=8)
+
+
+def _buckets(max_tokens: int) -> list[int]:
+    return [1 << i for i in range(token_bucket(max_tokens).bit_length())]
+
+
+@contextlib.contextmanager
+def _outside_capture(device: torch.device):
+    """Allocate and initialise a lane also while the caller's stream is being captured: relaxed capture mode for
+    this thread and a private stream, so the memsets and kernel loads are not recorded into the caller's graph."""
+    if not torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    from cuda.bindings import runtime as cudart
+
+    _, prev = cudart.cudaThreadExchangeStreamCaptureMode(cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
+    try:
+        with torch.cuda.stream(torch.cuda.Stream(device=device)):
+            yield
+            torch.cuda.current_stream(device).synchronize()
+    finally:
+        cudart.cudaThreadExchangeStreamCaptureMode(prev)
+
+
+# ------------------------------------------------------------------------------------------- the emulated plan
+class Sm90EmulatedPlan:
+    """The same pipeline in torch on any device: publish (FP8, routing + shared slots) -> dispatch into the BM-padded
+    ring (gcmoe_comm.ring) -> the W1 / W2 kernel models on the ring (gcmoe_gemm_sm90.ops) -> the W2 scatter to the
+    combine rows -> finalize's slot-order sum. World size 1."""
+
+    def __init__(self, cfg: MoEConfig, tensors, device: torch.device, options: LayerOptions):
+        if cfg.ep_size > 1:
+            raise ValueError("gcmoe: the emulated sm90 plan runs world size 1 (use gcmoe_core.multirank for P > 1)")
+        from gcmoe_gemm_sm90.prepack import unpack_sm90
+
+        self.cfg, self.device = cfg, device
+        self.moe = _weights(cfg, tensors, options)
+        self.spec = ring_spec(cfg)
+        self.w13, self.w2 = unpack_sm90(self.moe.w13), unpack_sm90(self.moe.w2)
+
+    def forward(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
+        from gcmoe_comm.ring import dispatch_emulated
+        from gcmoe_core.grouping import Activations, RowLayout
+        from gcmoe_gemm_sm90.ops import emulate_w1, emulate_w2
+
+        if check_values:
+            check_call_values(self.cfg.num_experts, topk_ids, topk_weights)
+        spec, t, h = self.spec, x.shape[0], self.cfg.hidden_size
+        ring = dispatch_emulated(spec, 0, [topk_ids], [topk_weights], [x])
+        valid = ring.src[:, 0] >= 0
+        sink = spec.max_tokens * spec.slots
+        dst = torch.where(valid, ring.src[:, 1] * spec.slots + ring.src[:, 2], torch.full_like(ring.src[:, 0], sink))
+        layout = RowLayout(spec.bm, spec.capacity, ring.offsets, ring.counts, dst.to(torch.int32))
+        hq, hsT = emulate_w1(self.w13, Activations(ring.x_rows, ring.sxT, ring.route_w), layout)
+        combine = torch.full((sink + 1, h), float("nan"), dtype=torch.bfloat16, device=x.device)
+        emulate_w2(self.w2, hq, hsT, layout, combine)
+        return combine_slots(combine[: t * spec.slots].view(t, spec.slots, h))
+
+    def check(self) -> None:
+        return None
+
+    def describe(self) -> dict:
+        return {"backend": "sm90", "emulate": True, "device": str(self.device)}

@@ -1,0 +1,95 @@
+"""Every registered backend (gcmoe.backends.BACKENDS) on a CPU, through the backend protocol (prepack -> plan ->
+forward) and through the public API: kernel backends emulated (their own pipeline on torch models of their kernels),
+the reference backend as it is, against moe_reference on fresh random problems. Every uninitialised allocation is
+poisoned, so a row a backend forgets to write shows as NaN. And what each backend says it needs on a CPU.
+
+(The old string-wired backends crashed at the sm103 prepack: 'MoESm103' object has no attribute 'tensors'.)
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import gcmoe
+from gcmoe import backends
+from gcmoe.backends import LayerOptions
+from gcmoe_core.config import MoEConfig
+from gcmoe_core.reference import moe_reference
+from gcmoe_core.testing import Case, calc_diff, make_problem, make_tokens, poison_
+
+# a layer every kernel backend takes (gcmoe_gemm_sm90.layer_missing and gcmoe_gemm_sm103.layer_missing accept it)
+CFG = MoEConfig(
+    hidden_size=512, intermediate_size=256, num_experts=8, top_k=2, num_shared_experts=1, max_tokens_per_rank=32
+)
+CALLS = [(1, "uniform"), (32, "one_expert"), (7, "half_empty")]  # (tokens, routing)
+CPU = torch.device("cpu")
+NEEDS = {"reference": None, "sm90": "compute capability 9.0", "sm103": "compute capability 10.3"}
+
+_aten = torch.ops.aten
+_EMPTY = {
+    _aten.empty.memory_format,
+    _aten.empty_like.default,
+    _aten.empty_strided.default,
+    _aten.new_empty.default,
+    _aten.new_empty_strided.default,
+}
+
+
+class PoisonEmpty(TorchDispatchMode):
+    """torch.empty & co. return poison (NaN floats, 0xA5 / -0x5A5A5A5A integers) instead of whatever memory held."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return poison_(out) if func in _EMPTY else out
+
+
+def check_output(name: str, y: torch.Tensor, ref: torch.Tensor) -> None:
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape and not y.isnan().any(), name
+    if name == "reference":
+        assert torch.equal(y, ref)
+    else:
+        assert calc_diff(y, ref) <= 1e-3, (name, calc_diff(y, ref))
+
+
+@pytest.mark.parametrize("name", backends.NAMES)
+def test_backend_matches_reference_emulated_on_cpu(name):
+    impl = backends.get(name)
+    options = LayerOptions(emulate=name != "reference")
+    _, _, _, weights, floats = make_problem(Case(CFG, 1, seed=1))
+    with PoisonEmpty():
+        plan = impl.plan(CFG, impl.prepack(CFG, weights, CPU), CPU, options)
+        layer = gcmoe.MoELayer(CFG, backend=name, emulate=True).load_weights(*floats)
+    for seed, (tokens, routing) in enumerate(CALLS, start=2):  # one layer, fresh inputs per call
+        x, ids, w = make_tokens(CFG, tokens, routing, seed=seed)
+        with PoisonEmpty():
+            y, y_layer = plan.forward(x, ids, w, True), layer(x, ids, w)
+        check_output(name, y, moe_reference(x, ids, w, weights))
+        assert torch.equal(y_layer, y)  # the public API runs the same plan on the same weights
+    plan.check()
+    bad = ids.clone()
+    bad[0, 0] = CFG.num_experts
+    with pytest.raises(ValueError, match="topk_ids"):
+        plan.forward(x, bad, w, True)
+        plan.check()
+    assert plan.describe()["backend"] == name and layer.describe()["backend"] == name
+
+
+@pytest.mark.parametrize("name", backends.NAMES)
+def test_missing_on_cpu_names_what_the_backend_needs(name):
+    assert name in NEEDS, f"say what backend {name!r} needs on a CPU"
+    need = NEEDS[name]
+    why = backends.get(name).missing(CPU, CFG)
+    if need is None:
+        assert why is None and backends.choose(CPU, name, CFG) == name
+        return
+    assert need in why
+    with pytest.raises(gcmoe.BackendUnavailable, match=f"backend '{name}' cannot run on cpu: it needs .*{need}"):
+        backends.choose(CPU, name, CFG)
+
+
+def test_sm103_refuses_expert_parallel(monkeypatch):
+    monkeypatch.setattr(backends, "cuda_missing", lambda device, capability: None)
+    sm103, cfg = backends.get("sm103"), CFG.replace(ep_size=2)
+    assert sm103.missing(torch.device("cuda"), cfg).startswith("ep_size = 1")
+    with pytest.raises(ValueError, match="ep_size = 1"):
+        sm103.prepack(cfg, make_problem(Case(CFG, 1))[3], CPU)

@@ -1,0 +1,127 @@
+"""Where a layer call's time goes (run on the GPU): per-kernel timelines of cold-L2 replays from the profiler (start
+and end of every kernel relative to the first, per stream), partitioned vs sequential, and the eager path's host
+time per call next to its GPU time.
+
+    python tools/gpu/layer_probe.py [--models deepseek-v3] [--tokens 1 8 32] [--out DIR]
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import gcmoe
+from gcmoe_core.config import MoEConfig
+from gcmoe_core.testing import make_tokens, make_weights
+from gcmoe_core.timing import ColdL2
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--models", nargs="+", default=["deepseek-v3"])
+ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32])
+ap.add_argument("--comm", nargs="+", type=int, default=[0, 16])
+ap.add_argument("--out", default=".")
+args = ap.parse_args()
+flush = ColdL2(torch.device("cuda"), "read")
+
+
+def short(name: str) -> str:
+    for key in ("publish", "dispatch", "finalize", "grouped_w1", "grouped_w2", "w1", "w2", "amax", "fill"):
+        if key in name.lower():
+            return key
+    return name[:30]
+
+
+def timeline(run, reps=3):
+    """Kernels of `reps` cold-L2 runs: per run, (name, start, end) µs from the run's first kernel."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush()
+            torch.cuda.synchronize()
+            run()
+            torch.cuda.synchronize()
+    ks = sorted(
+        (e.time_range.start, e.time_range.end, short(e.name))
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and "amax" not in e.name.lower()
+    )
+    runs, cur = [], []
+    for k in ks:  # a gap of > 200 µs separates runs (the flush and the syncs)
+        if cur and k[0] - cur[-1][1] > 200:
+            runs.append(cur)
+            cur = []
+        cur.append(k)
+    runs.append(cur)
+    last = runs[-1]
+    t0 = last[0][0]
+    return [(n, round(a - t0, 1), round(b - t0, 1)) for a, b, n in last], round(max(b for _, b, _ in last) - t0, 1)
+
+
+def busy(tl) -> float:
+    """µs during which at least one of the run's kernels ran (the union of their intervals)."""
+    total, end = 0.0, None
+    for _, a, b in sorted(tl, key=lambda k: k[1]):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return round(total, 1)
+
+
+records = []
+for model in args.models:
+    cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=256)
+    weights = make_weights(cfg, 1, "cuda")
+    for c in args.comm:
+        layer = gcmoe.MoELayer(cfg, "cuda", "sm90", comm_sms=c).load(weights)
+        for t in args.tokens:
+            x, ids, w = make_tokens(cfg, t, "uniform", t, device="cuda")
+            layer(x, ids, w)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=torch.cuda.Stream()):
+                layer(x, ids, w)
+            g.replay()
+            torch.cuda.synchronize()
+            tl_graph, span_graph = timeline(g.replay)
+            tl_eager, span_eager = timeline(lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w))
+            host = []
+            for _ in range(40):
+                t0 = time.perf_counter()
+                layer(x, ids, w)
+                host.append((time.perf_counter() - t0) * 1e6)
+                torch.cuda.synchronize()
+            lane = layer.packed.plan.lane(torch.cuda.current_stream())
+            rep = []
+            gr = lane.graphs[max(1, 1 << (t - 1).bit_length())]
+            for _ in range(40):
+                t0 = time.perf_counter()
+                gr.replay()
+                rep.append((time.perf_counter() - t0) * 1e6)
+                torch.cuda.synchronize()
+            rec = {
+                "model": model,
+                "tokens": t,
+                "comm_sms": c,
+                "graph_span_us": span_graph,
+                "graph_busy_us": busy(tl_graph),
+                "graph_gaps_us": round(span_graph - busy(tl_graph), 1),
+                "eager_span_us": span_eager,
+                "eager_busy_us": busy(tl_eager),
+                "host_call_us_median": statistics.median(host),
+                "host_replay_us_median": statistics.median(rep),
+                "graph_timeline": tl_graph,
+                "eager_timeline": tl_eager,
+            }
+            records.append(rec)
+            print(json.dumps({k: v for k, v in rec.items() if "timeline" not in k}), flush=True)
+            print("  graph:", tl_graph, flush=True)
+            print("  eager:", tl_eager, flush=True)
+        del layer
+        torch.cuda.empty_cache()
+Path(args.out).mkdir(parents=True, exist_ok=True)
+Path(args.out, "layer-probe.json").write_text(json.dumps(records, indent=1))

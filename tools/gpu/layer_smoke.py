@@ -1,0 +1,130 @@
+"""First look at the sm90 layer on a GPU, step by step with the outcome of each printed (a hang is cut by --timeout
+and its stack dumped): eager calls at several T, partitioned vs not, a caller's capture, P = 2 virtual ranks.
+
+    python tools/gpu/layer_smoke.py [--timeout 240]
+"""
+
+import argparse
+import faulthandler
+import sys
+import time
+import traceback
+
+import torch
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--timeout", type=float, default=240)
+args = ap.parse_args()
+faulthandler.dump_traceback_later(args.timeout, exit=True)
+
+import gcmoe  # noqa: E402
+from gcmoe_core.config import MoEConfig  # noqa: E402
+from gcmoe_core.reference import MoEWeights, moe_reference  # noqa: E402
+from gcmoe_core.testing import calc_diff, first_mismatch, make_tokens, make_weights  # noqa: E402
+
+CFG = MoEConfig(512, 256, 16, 4, 1, max_tokens_per_rank=32)
+failed = 0
+
+
+def step(name, fn):
+    global failed
+    t0 = time.perf_counter()
+    try:
+        msg = fn()
+        print(f"[ok]   {name} ({time.perf_counter() - t0:.1f} s) {msg or ''}", flush=True)
+    except Exception:
+        failed += 1
+        print(f"[FAIL] {name} ({time.perf_counter() - t0:.1f} s)\n{traceback.format_exc()}", flush=True)
+
+
+weights = make_weights(CFG, 1, "cuda")
+layers = {}
+
+
+def build(c):
+    def run():
+        layers[c] = gcmoe.MoELayer(CFG, "cuda", "sm90", comm_sms=c, timeout_ms=2000).load(weights)
+        return str(layers[c].describe())
+
+    return run
+
+
+def eager(c, t):
+    def run():
+        x, ids, w = make_tokens(CFG, t, "uniform", t, device="cuda")
+        y = layers[c](x, ids, w)
+        torch.cuda.synchronize()
+        layers[c].check()
+        d = calc_diff(y, moe_reference(x, ids, w, weights))
+        assert d < 1e-3 and not y.isnan().any(), f"calc_diff {d}"
+        return f"calc_diff {d:.2e}"
+
+    return run
+
+
+def same(t):
+    def run():
+        x, ids, w = make_tokens(CFG, t, "uniform", 50 + t, device="cuda")
+        ys = [layers[c](x, ids, w) for c in layers]
+        for y in ys[1:]:
+            assert first_mismatch(y, ys[0]) == ""
+
+    return run
+
+
+def captured():
+    layer = layers[16]
+    x, ids, w = make_tokens(CFG, 7, "uniform", 3, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=torch.cuda.Stream()):
+        y = layer(x, ids, w)
+    g.replay()
+    torch.cuda.synchronize()
+    layer.check()
+    assert first_mismatch(y, layer(x, ids, w)) == ""
+
+
+def virtual2():
+    from gcmoe.backends import LayerOptions
+    from gcmoe.backends.sm90 import Sm90Backend, virtual_ranks
+    from gcmoe_gemm_sm90.config import Sm90Config
+
+    kcfg = Sm90Config(n_tile=8, stages=3, prefetch=2)
+    cfg2 = CFG.replace(ep_size=2)
+    el = cfg2.local_experts
+    tensors = [
+        Sm90Backend().prepack(
+            cfg2,
+            MoEWeights(weights.w13[q * el : (q + 1) * el], weights.w2[q * el : (q + 1) * el], *weights.all()[2:]),
+            torch.device("cuda"),
+        )
+        for q in range(2)
+    ]
+    ranks = virtual_ranks(
+        cfg2, tensors, torch.device("cuda"), LayerOptions(comm_sms=16, kernel_config=kcfg, timeout_ms=2000)
+    )
+    ref = gcmoe.MoELayer(CFG, "cuda", "sm90", kernel_config=kcfg, comm_sms=16).load(weights)
+    inputs = [make_tokens(CFG, 5 + r, "uniform", 9 + r, device="cuda") for r in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    ys = []
+    for r in range(2):
+        streams[r].wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(streams[r]):
+            ys.append(ranks[r].forward(*inputs[r], True))
+    torch.cuda.synchronize()
+    for r in range(2):
+        ranks[r].check()
+        assert first_mismatch(ys[r], ref(*inputs[r])) == "", f"rank {r}"
+
+
+print(torch.cuda.get_device_name(0), torch.__version__, flush=True)
+for c in (0, 16):
+    step(f"build comm_sms={c}", build(c))
+for c in list(layers):
+    for t in (1, 5, 8, 32):
+        step(f"eager comm_sms={c} T={t}", eager(c, t))
+step("comm_sms 0 == 16 bitwise", same(13))
+step("caller capture", captured)
+step("P=2 virtual ranks", virtual2)
+print(f"smoke: {failed} failed", flush=True)
+sys.exit(1 if failed else 0)
