@@ -323,7 +323,7 @@ def test_model_shaped_layers_match_the_reference():
     for model, t in (("deepseek-v3", 1), ("deepseek-v4-flash", 8), ("glm-4.5", 32), ("deepseek-v3", 128)):
         cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=256)
         weights = make_weights(cfg, seed=t, device="cuda")
-        layer = gcmoe.MoELayer(cfg, "cuda", "sm90").load(weights)
+        layer = gcmoe.MoELayer(cfg, "cuda", "sm90", comm_sms=16).load(weights)
         x, ids, w = _tokens(cfg, t, "uniform", t)
         y = layer(x, ids, w)
         if t <= 32:

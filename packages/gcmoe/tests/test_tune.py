@@ -127,7 +127,7 @@ def test_policy_mode_for():
 
 
 def test_policy_precedence_env_over_cache_over_defaults(monkeypatch):
-    assert tune.policy(CFG, H200, SMS) == tune.Policy(16, 64, "default for NVIDIA H200")
+    assert tune.policy(CFG, H200, SMS) == tune.Policy(0, 0, "default for NVIDIA H200")
     other = tune.policy(CFG, "NVIDIA H100 80GB HBM3", SMS)
     assert (other.comm_sms, other.unpartitioned_above) == tune.GENERIC_DEFAULT and "generic" in other.source
 
@@ -195,7 +195,7 @@ def test_bad_cache_file_warns_and_falls_back_to_the_default(corrupt):
     path.write_text(corrupt(res))
     with pytest.warns(RuntimeWarning, match="ignoring the tuned partition policy"):
         p = tune.policy(CFG, H200, SMS)
-    assert p == tune.Policy(16, 64, "default for NVIDIA H200")
+    assert p == tune.Policy(0, 0, "default for NVIDIA H200")
 
 
 def test_default_factory_builds_a_gcmoe_layer_per_comm_size():

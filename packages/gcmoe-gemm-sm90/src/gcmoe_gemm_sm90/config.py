@@ -47,7 +47,6 @@ WINDOW_SCALE_BYTES = TILE_M * 4  # its scale records, one int32 per weight row
 # per rank (75-80 % of the experts empty), 0.97-1.0x at 8-32 tokens (13 % or fewer empty), side by side, H200,
 # 2026-11-29 (sm90-grouped-v7 runs S and R)
 ACTIVE_FIRST_BELOW = 0.5
-SPLIT_FILL = 0.5  # K-split a kernel until its expected tiles fill half the SM slots (2 CTAs per SM at T = 1)
 SMEM_PER_SM = 228 * 1024  # H100 / H200: 227 KB usable by one CTA, 1 KB reserved per resident CTA
 
 
@@ -101,12 +100,19 @@ def smem_limit(occupancy: int) -> int:
 
 @cache
 def choose_config(
-    tokens_per_rank: int, top_k: int, num_experts: int, hidden: int = 7168, inter: int = 2048, sms: int = 132
+    tokens_per_rank: int,
+    top_k: int,
+    num_experts: int,
+    hidden: int = 7168,
+    inter: int = 2048,
+    sms: int = 132,
+    shared: int = 0,
 ) -> Sm90Config:
     """The N tile of n_tile_for the expected rows per expert and its tile_shape; active-first grid rows when fewer than
-    ACTIVE_FIRST_BELOW of the experts are expected to have rows; K splits for a kernel whose expected tiles fill less
-    than SPLIT_FILL of the SM slots; as many pipeline stages (<= 8) as the shared memory of the
-    occupancy holds."""
+    ACTIVE_FIRST_BELOW of the experts are expected to have rows; K splits by the measured rule below, counting the
+    `shared` always-active experts that ride the same launch (at one token per rank the shared expert is one of 9
+    active experts of a DeepSeek-V3 rank: 16 more W1 tiles); as many pipeline stages (<= 8) as the shared memory of
+    the occupancy holds."""
     expected = max(1, tokens_per_rank * top_k // max(1, num_experts))
     n_tile = n_tile_for(expected)
     occupancy, warpgroups = tile_shape(n_tile)
@@ -114,7 +120,8 @@ def choose_config(
     # shared-memory activation scales: 4-5 % faster at n_tile 16, 1-3 % at 32, 2-4 % slower at 8 (two more barriers per
     # N tile for a loop that is short at n_tile 8), side by side on the H200, 2026-11-29 (sm90-grouped-v3)
     # experts with at least one row under uniform routing, and each kernel's tiles against the SM slots
-    active = num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** (tokens_per_rank * top_k))
+    # (a token's top-k are k distinct experts: one token makes exactly k active)
+    active = num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** tokens_per_rank)
     cfg = Sm90Config(
         n_tile=n_tile,
         stages=2,
@@ -124,11 +131,23 @@ def choose_config(
         smem_scales=n_tile >= 16,
         active_first=active < ACTIVE_FIRST_BELOW * num_experts,
     )
+    # K splits (measured on the whole layer, shared expert included, H200, 2026-11-30, tools/gpu/split_sweep.py,
+    # docs/benchmarks/layer-h200-2026-11-30.md): W1 split in two where its active tiles fit one wave of the SM slots
+    # and each CTA keeps >= 28 K windows, or at one token (DeepSeek-V3 T = 1: 98.8 µs vs 103.7 unsplit, T = 2: 141.6
+    # vs 152.2; V4-Flash T = 1: 67.4 vs 69.7; V4-Flash T = 2, 16 windows per CTA: 82.4 vs 74.9 unsplit); W2 split
+    # only when its tiles fill less than a quarter of the slots (split W2 measured 4-8 % slower at every point above)
+    slots = sms * occupancy
+    w1_tiles = (active + shared) * 2 * inter / TILE_M
+    w1_windows = hidden // WINDOW_K
+    w2_tiles = (active + shared) * hidden / TILE_M
+    want = (
+        2 if w1_tiles <= slots and (tokens_per_rank == 1 or w1_windows // 2 >= 28) else 1,
+        2 if w2_tiles * 4 < slots else 1,
+    )
     splits = []
-    for m, k in ((2 * inter, hidden), (hidden, inter)):
-        tiles = active * m / TILE_M
-        ok = [sp for sp in (1, 2, 4) if can_implement(m, k, num_experts, cfg, splits=sp) is None]
-        splits.append(next((sp for sp in ok if tiles * sp >= SPLIT_FILL * sms * occupancy), ok[-1]))
+    for (m, k), sp in zip(((2 * inter, hidden), (hidden, inter)), want):
+        ok = [s for s in (1, 2, 4) if can_implement(m, k, num_experts, cfg, splits=s) is None]
+        splits.append(sp if sp in ok else ok[0])
     return with_splits(cfg, (splits[0], splits[1]), hidden, inter)
 
 

@@ -200,9 +200,9 @@ class MoESm90:
         w2_ = PackedSm90(d2, s2, d2.shape[1] * TILE_M, d2.shape[2] * WINDOW_K, False, 0)
         return cls(w13, w2_, num_routed)
 
-    def config_for(self, tokens: int, top_k: int) -> Sm90Config:
-        """The kernel configuration for a call of `tokens` tokens per rank (self.cfg forces one)."""
-        cfg = self.cfg or choose_config(tokens, top_k, self.num_routed, self.hidden, self.inter)
+    def config_for(self, tokens: int, top_k: int, sms: int = 132) -> Sm90Config:
+        """The kernel configuration for a call of `tokens` tokens per rank on `sms` SMs (self.cfg forces one)."""
+        cfg = self.cfg or choose_config(tokens, top_k, self.num_routed, self.hidden, self.inter, sms, self.num_shared)
         if min(self.hidden, self.inter) // WINDOW_K % cfg.prefetch:
             cfg = replace(cfg, prefetch=1)
         return cfg

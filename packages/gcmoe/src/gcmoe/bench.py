@@ -10,11 +10,12 @@ gcmoe_core.reference.moe_reference, of the whole layer or of the routed experts,
 then timed side by side — A B C A B C ..., a cold L2 before every run (gcmoe_core.timing.time_interleaved), medians.
 
 Variants (GPU):
-    partitioned     gcmoe.MoELayer(cfg, "cuda", comm_sms=None): the layer chooses its partition (layer.describe() is
-                    recorded); called through the public API inside a torch.cuda.graph the bench captures (the
-                    caller's own capture), timed as graph replays
+    partitioned     gcmoe.MoELayer(cfg, "cuda", comm_sms=16): the design's split, 16 comm / 116 compute SMs on an
+                    H200 (layer.describe() is recorded); called through the public API inside a torch.cuda.graph the
+                    bench captures (the caller's own capture), timed as graph replays
     sequential      MoELayer(..., comm_sms=0): the same kernels with no partition, captured the same way
-    eager           the partitioned layer called eagerly (no graph): what a caller without graphs gets
+    eager           MoELayer(cfg, "cuda") as it chooses (the tuned partition policy) called eagerly, no graph: what a
+                    caller without graphs gets
     torch_fp8       gcmoe.baselines.TorchFp8MoE: the whole layer with torch._scaled_grouped_mm FP8 (eager: torch's
                     grouped GEMMs under graph replay hit an illegal address on torch 2.11)
     triton_kernels  gcmoe.peers.TritonKernelsMoE (when importable), graph replays, ROUTED EXPERTS ONLY
@@ -154,10 +155,11 @@ class PeerVariant:
         return Loaded(peer, True, peer.work, peer.name, peer.describe(), peer.close)
 
 
+PARTITION_SMS = 16  # the design's split (16 comm SMs, 116 compute on an H200); the layer's own policy is `eager`'s
 VARIANTS = {
     v.name: v
     for v in (
-        LayerVariant("partitioned", None, True),
+        LayerVariant("partitioned", PARTITION_SMS, True),
         LayerVariant("sequential", 0, True),
         LayerVariant("eager", None, False),
         TorchFp8Variant(),

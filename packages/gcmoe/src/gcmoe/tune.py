@@ -67,9 +67,12 @@ CHOOSE_UP_TO = 32  # comm_sms is chosen on the T <= 32 points
 MIN_GAIN = 1.01  # the partition must be >= 1 % faster to be used at a T
 MODELS = ("deepseek-v3", "deepseek-v4-flash")
 
-# Placeholders until the measured ablation (docs/benchmarks/partition-ablation-h200-<date>.md) replaces them.
-DEFAULTS: dict[str, tuple[int, int]] = {"NVIDIA H200": (16, 64)}
-GENERIC_DEFAULT = (16, 64)
+# Measured (docs/benchmarks/partition-ablation-h200-2026-11-30.md, DeepSeek-V3 and V4-Flash EP8 slices, world size
+# 1): no comm size beat the unpartitioned layer by >= 1 % at T = 1 (V3: 8 SMs 1.000x, 16 SMs 1.03x slower; V4-Flash
+# 1.000x / 1.02x) and every size lost 6-28 % at T >= 8 — at world size 1 dispatch moves no bytes across GPUs, so
+# there is little to hide, while the GEMMs lose 8-22 % on the smaller compute partition (wave quantisation).
+DEFAULTS: dict[str, tuple[int, int]] = {"NVIDIA H200": (0, 0)}
+GENERIC_DEFAULT = (0, 0)  # untuned devices: no partition until `gcmoe tune` measures one that pays
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ def policy(cfg: MoEConfig, device_name: str, sm_count: int) -> Policy:
         return found
     comm, above = DEFAULTS.get(device_name, GENERIC_DEFAULT)
     source = f"default for {device_name}" if device_name in DEFAULTS else f"generic default ({device_name} not tuned)"
-    if comm not in valid_comm_sizes(sm_count, GRANULARITY):
+    if comm and comm not in valid_comm_sizes(sm_count, GRANULARITY):
         return Policy(0, 0, f"{source}: {sm_count} SMs cannot give it {comm} comm SMs")
     return Policy(comm, above, source)
 

@@ -1,0 +1,55 @@
+"""The layer's K splits at small T, side by side (run on the GPU): the public call captured in a CUDA graph with the
+chosen kernel configuration and with each other (W1, W2) split forced, interleaved, cold L2, medians.
+
+    python tools/gpu/split_sweep.py [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2] [--out DIR]
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+import gcmoe
+from gcmoe_core.config import MoEConfig
+from gcmoe_core.testing import make_tokens, make_weights
+from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
+from gcmoe_gemm_sm90.config import can_implement, with_splits
+from gcmoe_gemm_sm90.ops import MoESm90
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
+ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2])
+ap.add_argument("--iters", type=int, default=20)
+ap.add_argument("--out", default=".")
+args = ap.parse_args()
+bw = copy_bandwidth(torch.device("cuda"))
+recs = []
+for model in args.models:
+    cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=256)
+    weights = make_weights(cfg, 1, "cuda")
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    moe = MoESm90.from_weights(weights)
+    for t in args.tokens:
+        chosen = moe.config_for(t, cfg.top_k)
+        x, ids, w = make_tokens(cfg, t, "uniform", t, device="cuda")
+        graphs, layers = {}, []
+        for sp in [chosen.splits, (1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]:
+            name = "chosen" if sp is chosen.splits else f"split{sp[0]}{sp[1]}"
+            kcfg = with_splits(chosen, sp, h, i)
+            if any(can_implement(m, k, 1, kcfg, splits=s) for (m, k), s in zip(((2 * i, h), (h, i)), sp)):
+                continue
+            layer = gcmoe.MoELayer(cfg, "cuda", "sm90", kernel_config=kcfg).load(weights)
+            layers.append(layer)
+            fn = lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w)
+            graphs[name] = capture_graph(fn, warmup=2, stream=torch.cuda.Stream())[0]
+        times = time_interleaved(graphs, args.iters, l2_flush="read")
+        active = int(torch.unique(ids).numel()) + cfg.num_shared_experts
+        floor = fp4_floor_us(h, i, active, bw)
+        rec = {"model": model, "tokens": t, "chosen_splits": list(chosen.splits), "floor_us": floor, **times}
+        recs.append(rec)
+        print(json.dumps(rec), flush=True)
+        del layers, graphs
+        torch.cuda.empty_cache()
+Path(args.out).mkdir(parents=True, exist_ok=True)
+Path(args.out, "split-sweep.json").write_text(json.dumps({"meta": run_meta(copy_tb_s=bw / 1e12), "records": recs}))
