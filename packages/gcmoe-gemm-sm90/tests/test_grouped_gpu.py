@@ -13,7 +13,7 @@ import torch
 
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.formats import quantize_fp8_e4m3_1x128
-from gcmoe_core.grouping import Activations, RowLayout, group_rows, grouped_forward, prepare_activations
+from gcmoe_core.grouping import Activations, RowLayout, group_rows, prepare_activations
 from gcmoe_core.reference import MoEWeights, moe_reference
 from gcmoe_core.signals import ERR_FAILED, KIND_BLOCK, KIND_OFFS, KIND_RECV
 from gcmoe_core.testing import (
@@ -55,19 +55,10 @@ def _assert_w1_matches_model(hq, hsT, eq, es, valid):
 
 
 def sm90_layer(moe: MoESm90, x, ids, w):
-    """The whole layer on the sm90 kernels: the pipeline on prepared rows around w1 / w2."""
-    cfg = moe.config_for(*ids.shape)
-    return grouped_forward(
-        x,
-        ids,
-        w,
-        moe.num_routed,
-        moe.num_shared,
-        cfg.n_tile,
-        moe.hidden,
-        lambda acts, lay: w1(moe.w13, acts, lay, cfg),
-        lambda hq, hs, lay, out: w2(moe.w2, hq, hs, lay, out, cfg),
-    )
+    """The whole layer on the sm90 kernels: the benchmark's pipeline on prepared rows around w1 / w2."""
+    from gcmoe_gemm_sm90.bench import layer_for
+
+    return layer_for(moe, x, w, ids, moe.config_for(*ids.shape))
 
 
 VARIANTS = {  # weights by bulk copy into the pipeline's stages (the only weight stream)

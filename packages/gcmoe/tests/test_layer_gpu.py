@@ -293,6 +293,32 @@ def test_virtual_ranks_bit_exact_replays_and_dead_peer(p):
 
 
 @pytest.mark.sm90
+def test_world_size_one_on_symmetric_memory_is_bit_identical(tmp_path):
+    """MoELayer(group=...) at P = 1: the workspace from PyTorch symmetric memory (the P > 1 path's allocation and
+    peer table), eager and replayed, bit-identical to the layer on a plain buffer."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    weights = make_weights(CFG, 15, "cuda")
+    sym = gcmoe.MoELayer(CFG, "cuda", "sm90", group=dist.group.WORLD).load(weights)
+    plain = gcmoe.MoELayer(CFG, "cuda", "sm90").load(weights)
+    assert sym.packed.plan.lane(torch.cuda.current_stream()).ws.group is not None
+    x, ids, w = _tokens(CFG, 9, "uniform", 9)
+    assert first_mismatch(sym(x, ids, w), plain(x, ids, w)) == ""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=torch.cuda.Stream()):
+        y = sym(x, ids, w)
+    for i in range(10):
+        nx, nids, nw = _tokens(CFG, 9, ROUTINGS[i % 3], 300 + i)
+        x.copy_(nx), ids.copy_(nids), w.copy_(nw)
+        g.replay()
+        torch.cuda.synchronize()
+        assert first_mismatch(y, plain(x, ids, w)) == "", f"replay {i}"
+    sym.check()
+
+
+@pytest.mark.sm90
 def test_roles_keep_their_partitions_inside_a_callers_capture():
     from gcmoe_greenctx import split_device
 

@@ -617,11 +617,18 @@ def plot(result: dict, path: str | Path) -> None:
 
 
 def reproduce_command(argv: list[str] | None) -> str:
-    """The command line of this run (argv: the arguments after `gcmoe`), plus where the peers came from."""
-    args = list(argv or ["bench"])
-    cmd = "gcmoe " + " ".join(shlex.quote(a) for a in args)
-    tk = os.environ.get("PYTHONPATH")
-    return f"PYTHONPATH={shlex.quote(tk)} {cmd}" if tk else cmd
+    """The command line of this run (argv: the arguments after `gcmoe`; output paths dropped), with a note of the
+    peers that were importable (their copies go on PYTHONPATH, see tools/gpu/bench.sh)."""
+    args, skip = [], False
+    for a in argv or ["bench"]:
+        if skip:
+            skip = False
+            continue
+        if a in ("--json", "--markdown", "--plot"):
+            skip = True
+            continue
+        args.append(a)
+    return "gcmoe " + " ".join(shlex.quote(a) for a in args)
 
 
 def run_bench(

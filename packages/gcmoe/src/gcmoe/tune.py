@@ -68,9 +68,11 @@ MIN_GAIN = 1.01  # the partition must be >= 1 % faster to be used at a T
 MODELS = ("deepseek-v3", "deepseek-v4-flash")
 
 # Measured (docs/benchmarks/partition-ablation-h200-2026-11-30.md, DeepSeek-V3 and V4-Flash EP8 slices, world size
-# 1): no comm size beat the unpartitioned layer by >= 1 % at T = 1 (V3: 8 SMs 1.000x, 16 SMs 1.03x slower; V4-Flash
-# 1.000x / 1.02x) and every size lost 6-28 % at T >= 8 — at world size 1 dispatch moves no bytes across GPUs, so
-# there is little to hide, while the GEMMs lose 8-22 % on the smaller compute partition (wave quantisation).
+# 1): the best comm size over T <= 32 (8 SMs for both) was not faster than the unpartitioned layer at T = 1 (1.02x
+# and 1.00x the time); single cells within +-2 % either way (V3: 24 SMs 0.989x at T = 1, 8 SMs 0.983x at T = 8) are
+# run noise, and every size lost 6-31 % from T = 32 on. At world size 1 dispatch moves no bytes across GPUs, so there
+# is little to hide, while the GEMMs lose 8-22 % on the smaller compute partition (wave quantisation; the persistent
+# kernel of the sm90 v8 issue is what would let the partition pay).
 DEFAULTS: dict[str, tuple[int, int]] = {"NVIDIA H200": (0, 0)}
 GENERIC_DEFAULT = (0, 0)  # untuned devices: no partition until `gcmoe tune` measures one that pays
 

@@ -16,13 +16,15 @@ pipeline (the component packages export kernels only).
 
 Resources (all owned by the plan, none module-global):
     lane       one per caller stream (created on that stream's first call, also under capture: relaxed capture mode
-               on a private stream): its workspace (Workspace.virtual for P = 1, Workspace.symmetric for P > 1 —
-               collective, so P > 1 layers take every lane at load), CommRank, W1 output buffers, its own stream
-               pair on each partition, the host argument-slot ring and status words (pinned), and one captured
-               graph per bucket. Calls on two streams never share a workspace; two captures replayed at once on
-               one lane are refused on the device (ERR kind BUSY -> CommError), never silently mixed.
-    eager call the bucket's graph replayed after writing (x, ids, w, out, T) into the next host slot: no kernel is
-               launched from Python and nothing is captured per call (a few µs of host time).
+               on a private stream): its workspace (Workspace.virtual for P = 1, Workspace.symmetric for P > 1 or
+               when a process group is given: collective, so P > 1 layers make their one lane at load), CommRank,
+               W1 output buffers, its own stream pair on each partition, the pinned argument staging slots and
+               status words, the device argument block, and one captured graph per token bucket. Calls on two
+               streams never share a workspace; two captures replayed at once on one lane are refused on the device
+               (ERR kind BUSY -> CommError), never silently mixed.
+    eager call the call's pointers and T written to the next pinned staging slot, one async copy of it into the
+               device argument block, then the bucket's graph replayed: no kernel is launched from Python and
+               nothing is captured per call (~45 µs of host time, GPU-bound when called back to back).
     captured   inside a caller's torch.cuda.graph capture, the same kernels are enqueued with their arguments by
                value on the lane's partition streams forked from the capture stream: the caller's graph keeps the
                layer's nodes on their partitions.
@@ -137,7 +139,7 @@ class Sm90Plan:
     def lane(self, stream: torch.cuda.Stream) -> Lane:
         """The lane of a caller stream (created on its first call). ep_size > 1: the one lane made at load, whatever
         the stream (its workspace is collective; concurrent calls on it are refused on the device, kind BUSY)."""
-        if self.cfg.ep_size > 1 and self._lanes:
+        if (self.cfg.ep_size > 1 or self.group is not None) and self._lanes:
             return next(iter(self._lanes.values()))
         key = stream.cuda_stream
         lane = self._lanes.get(key)
@@ -200,8 +202,8 @@ class Lane:
         with _outside_capture(dev):
             if workspace is not None:
                 self.ws = workspace
-            elif cfg.ep_size > 1:
-                self.ws = Workspace.symmetric(spec, plan.group)  # collective
+            elif cfg.ep_size > 1 or plan.group is not None:
+                self.ws = Workspace.symmetric(spec, plan.group)  # collective (a world-size-1 group: P = 1)
             else:
                 self.ws = Workspace.virtual(spec, dev)[0]
             self.comm = CommRank(self.ws, dispatch_ctas=16, finalize_ctas=16, timeout_ms=plan.timeout_ms)
