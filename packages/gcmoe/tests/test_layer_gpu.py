@@ -164,7 +164,7 @@ def test_one_layer_on_two_streams_gets_two_lanes_and_shared_lanes_fail_loudly():
             break
         assert ok1 and ok2, "a concurrent replay of a shared lane was wrong without an error"
     if failed:
-        layer.packed.plan.recover()
+        layer.recover()
         assert torch.equal(layer(xa, ia, wa), want_a)
 
 

@@ -168,6 +168,12 @@ class MoELayer(torch.nn.Module):
         if self.packed is not None:
             self.packed.check()
 
+    def recover(self) -> None:
+        """After a CommError: reset the layer's cross-rank state so calls start over (collective for ep_size > 1:
+        every rank calls it)."""
+        if self.packed is not None:
+            self.packed.plan.recover()
+
     def describe(self) -> dict:
         """What runs: backend, partition sizes, the path per token bucket."""
         if self.packed is None:

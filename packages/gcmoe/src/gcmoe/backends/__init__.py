@@ -68,6 +68,9 @@ class LayerPlan(Protocol):
     def check(self) -> None:
         """Raise any error a call recorded on the device (CommError, ValueError); synchronises."""
 
+    def recover(self) -> None:
+        """Reset cross-rank state after a CommError (collective for P > 1); a no-op where there is none."""
+
     def describe(self) -> dict:
         """What runs: backend, partition, modes per token bucket (for logs and benchmark records)."""
 

@@ -29,6 +29,9 @@ class ReferencePlan:
     def check(self) -> None:
         return None
 
+    def recover(self) -> None:
+        return None
+
     def describe(self) -> dict:
         return {"backend": "reference", "device": str(self.device), "quant": self.cfg.quant}
 

@@ -87,6 +87,9 @@ class Sm103Plan:
     def check(self) -> None:
         return None
 
+    def recover(self) -> None:
+        return None
+
     def describe(self) -> dict:
         return {
             "backend": "sm103",

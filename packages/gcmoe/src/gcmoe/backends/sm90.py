@@ -526,5 +526,8 @@ class Sm90EmulatedPlan:
     def check(self) -> None:
         return None
 
+    def recover(self) -> None:
+        return None
+
     def describe(self) -> dict:
         return {"backend": "sm90", "emulate": True, "device": str(self.device)}
