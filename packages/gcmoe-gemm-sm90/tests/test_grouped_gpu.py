@@ -257,15 +257,20 @@ def test_ring_mode_equals_prepared_rows(variant):
     assert calc_diff(out, ref) < 1e-3
 
 
+def _ring_warmed(seed: int):
+    """N 16 in ring mode on hand-made rows, launched once (compiled and loaded outside any timed launch); returns
+    (cfg, layout, run, fresh signal words)."""
+    cfg = replace(RING_VARIANTS["n16"], ring=True)
+    _, layout, _, run = _ring_setup(seed, cfg)
+    run.launch(cfg, ring_sync(ring_signals(layout)))
+    torch.cuda.synchronize()
+    return cfg, layout, run, ring_signals(layout)
+
+
 def test_ring_mode_stores_nothing_once_err_is_set():
     """A call whose ERR word is already set (another kernel's wait failed) writes no output and no ERR word, and
     returns at once (no wait runs to its bound)."""
-    cfg = replace(RING_VARIANTS["n16"], ring=True)
-    _, layout, _, run = _ring_setup(12, cfg)
-    warm = ring_signals(layout)
-    run.launch(cfg, ring_sync(warm))  # compiled and loaded outside the timed launch
-    torch.cuda.synchronize()
-    sig = ring_signals(layout)
+    cfg, _, run, sig = _ring_warmed(12)
     sig[SIG_ERR : SIG_ERR + 5] = torch.tensor([ERR_FAILED, KIND_RECV, 1, 1, 0], dtype=torch.int32)
     before = sig.clone()
     run.poison()
@@ -286,12 +291,7 @@ def test_ring_wait_is_bounded_and_recorded(missing):
     records (1, KIND_OFFS, 0, generation 1, seen 0), nothing is written. block: the last ring block of expert 3 never
     gets its L1_FULL tag -> (1, KIND_BLOCK, block 5, 1, 0), and W2 stores nothing (W1's scratch rows may be written).
     The whole call returns within 2x the bound."""
-    cfg = replace(RING_VARIANTS["n16"], ring=True)
-    _, layout, _, run = _ring_setup(13, cfg)
-    warm = ring_signals(layout)
-    run.launch(cfg, ring_sync(warm))  # compiled and loaded outside the timed launch
-    torch.cuda.synchronize()
-    sig = ring_signals(layout)
+    cfg, layout, run, sig = _ring_warmed(13)
     block = layout.rows // RING_BM - 1  # expert 3's rows 24..43 lie in blocks 3..5
     if missing == "offs":
         sig[SIG_OFFS] = 0

@@ -11,21 +11,14 @@ import pytest
 import torch
 
 from gcmoe import bench, peers
-from gcmoe.baselines import TorchFp8MoE, quantize_fp8_rowwise, scaled_grouped_mm_loop
+from gcmoe.baselines import TorchFp8MoE, scaled_grouped_mm_loop
 from gcmoe_core.config import MoEConfig
+from gcmoe_core.formats import quantize_fp8_rowwise
 from gcmoe_core.reference import moe_reference, moe_reference_loop_fp64
-from gcmoe_core.testing import calc_diff, make_tokens, make_weights
+from gcmoe_core.testing import Case, calc_diff, make_tokens, make_weights
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = "custom:512,256,16,4,1"
-
-
-@dataclass(frozen=True)
-class Case:
-    cfg: MoEConfig
-    tokens: int
-    routing: str = "uniform"
-    seed: int = 0
 
 
 CASES = [
@@ -37,7 +30,7 @@ CASES = [
 
 
 # ---------------------------------------------------------------------------------------------------- baseline
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"H{c.cfg.hidden_size}-k{c.cfg.top_k}-T{c.tokens}-{c.routing}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_torch_fp8_baseline_matches_reference(case):
     """The baseline (its per-expert loop on a CPU: the same function, the grouped GEMM's math) is the layer: within
     FP8 rowwise-vs-1x128 rounding of the fp8_mxfp4 reference, and of the independent float64 loop."""

@@ -40,6 +40,19 @@ def _layer(cfg=CFG, weights=None, seed=0, **kw):
     return gcmoe.MoELayer(cfg, "cuda", "sm90", **kw).load(weights), weights
 
 
+def _eager_at_once(calls, repeats: int = 200):
+    """Each (stream, layer, args, want) called eagerly on its stream, all at once, `repeats` times: every output
+    bit-identical to `want`."""
+    for i in range(repeats):
+        outs = []
+        for stream, layer, args, _ in calls:
+            with torch.cuda.stream(stream):
+                outs.append(layer(*args))
+        torch.cuda.synchronize()
+        for j, (y, (*_, want)) in enumerate(zip(outs, calls)):
+            assert torch.equal(y, want), f"repeat {i}, call {j}"
+
+
 @pytest.mark.parametrize(("backend", "tol"), BACKENDS)
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_gpu_matches_reference(routing, backend, tol):
@@ -115,14 +128,7 @@ def test_two_layers_on_two_streams_replayed_concurrently_stay_exact():
         torch.cuda.synchronize()
         bad += int(not torch.equal(ya, want_a)) + int(not torch.equal(yb, want_b))
     assert bad == 0, f"{bad} wrong outputs in 400"
-    # eager calls of the two layers on the two streams at once
-    for _ in range(200):
-        with torch.cuda.stream(sa):
-            ea = la(xa, ia, wta)
-        with torch.cuda.stream(sb):
-            eb = lb(xb, ib, wtb)
-        torch.cuda.synchronize()
-        assert torch.equal(ea, want_a) and torch.equal(eb, want_b)
+    _eager_at_once(((sa, la, (xa, ia, wta), want_a), (sb, lb, (xb, ib, wtb), want_b)))
     la.check(), lb.check()
 
 
@@ -133,13 +139,7 @@ def test_one_layer_on_two_streams_gets_two_lanes_and_shared_lanes_fail_loudly():
     xb, ib, wb = _tokens(CFG, 24, "uniform", 4)
     want_a, want_b = layer(xa, ia, wa), layer(xb, ib, wb)
     sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
-    for _ in range(200):  # eager from two streams at once: one lane (workspace) per stream
-        with torch.cuda.stream(sa):
-            ya = layer(xa, ia, wa)
-        with torch.cuda.stream(sb):
-            yb = layer(xb, ib, wb)
-        torch.cuda.synchronize()
-        assert torch.equal(ya, want_a) and torch.equal(yb, want_b)
+    _eager_at_once(((sa, layer, (xa, ia, wa), want_a), (sb, layer, (xb, ib, wb), want_b)))  # a lane per stream
     assert layer.describe()["lanes"] >= 3
     # two captures made on ONE stream share that stream's lane: replayed at once they must not mix silently
     cap = torch.cuda.Stream()

@@ -16,9 +16,10 @@ Tickets: every call takes the workspace under a ticket (a process-wide unique in
 call share; a captured call keeps its ticket in every replay — CUDA never runs two launches of one graph at once).
 A call that finds the workspace held by another ticket fails loudly (CommError, kind BUSY) instead of corrupting it.
 
-The slot path (`publish_slots`): publish reads its arguments from host slot SEQ mod NSLOTS of a pinned int64 ring
-[NSLOTS, 8] (x, ids, weights, out pointers, T, ids-are-int64) and finalize reads the output pointer and T from the
-workspace, so one captured graph serves every eager call with new tensors (gcmoe's sm90 backend fills the slots).
+The slot path (`publish_slots`): publish reads its arguments from a device argument block int64 [8] (x, ids,
+weights, out pointers, T, ids-are-int64) and finalize reads the output pointer and T from the workspace, so one
+captured graph serves every eager call with new tensors (gcmoe's sm90 backend copies each call's block in from a
+pinned staging slot just before replaying, and waits on the mirrored SEQ before it reuses a staging slot).
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ import itertools
 import torch
 
 from gcmoe_core import env
-from gcmoe_core.signals import ERR_WARMUP
 
-from .workspace import SIG_ERR, Workspace
+from .workspace import Workspace
 
 MAX_DISPATCH_SMEM = 200 * 1024
 _TICKETS = itertools.count(1)
@@ -108,16 +108,11 @@ class CommRank:
         before the first cross-rank wait (the layer does, before its rendezvous): a rank still loading kernels
         when its peers already wait would look dead to them."""
         k, z = self.kernels, self._zero
-        err = self.ws.views.signals[SIG_ERR : SIG_ERR + 1]
-        stream = torch.cuda.current_stream(self.ws.buf.device)  # the workspace's user (no other stream uses it yet)
-        stream.synchronize()
-        err.fill_(ERR_WARMUP)
-        k["ready"](self._base_arg, 0, self._stream())
-        k["publish"](self._base_arg, z, z, z, z, z, z, 0, 0, 1, 1, self._stream())
-        k["dispatch"](self._peer_args, self.ws.rank, self._timeout_arg, self._stream())
-        k["finalize"](self._peer_args, self.ws.rank, z, 0, z, self._timeout_arg, 1, z, self._stream())
-        err.zero_()
-        stream.synchronize()
+        with self.ws.warmup():
+            k["ready"](self._base_arg, 0, self._stream())
+            k["publish"](self._base_arg, z, z, z, z, z, z, 0, 0, 1, 1, self._stream())
+            k["dispatch"](self._peer_args, self.ws.rank, self._timeout_arg, self._stream())
+            k["finalize"](self._peer_args, self.ws.rank, z, 0, z, self._timeout_arg, 1, z, self._stream())
 
     def publish_ctas(self, tokens: int) -> int:
         """Publish CTAs for T tokens: a warp per 128-value group, grid-stride, at most 8 per SM."""
@@ -131,7 +126,7 @@ class CommRank:
         """One kernel: take the workspace under `ticket` (default: a new one), quantise x (FP8 1x128, bit-exact
         with gcmoe_core.formats) into this rank's published buffers, check and copy the routing (plus the shared
         slots), and tag READY = g once every CTA is done. An id outside [0, E) is recorded (Workspace.bad_input)
-        and dropped: its combine row is never written."""
+        and dropped: no rank computes that slot, and its combine row is zeroed."""
         s = self.ws.spec
         dev = self.ws.buf.device
         if x.dim() != 2 or x.shape[1] != s.hidden or x.dtype != torch.bfloat16:
@@ -161,12 +156,12 @@ class CommRank:
         self._ntok = t
         self._keep = (x, ids, wts)  # the launch reads them asynchronously
 
-    def publish_slots(self, slots: int, status: int, ticket: int, ctas: int) -> None:
-        """The slot path's publish (see the module docstring): arguments from the pinned slot ring at `slots`,
+    def publish_slots(self, args: int, status: int, ticket: int, ctas: int) -> None:
+        """The slot path's publish (see the module docstring): arguments from the device argument block at `args`,
         the call's SEQ and BAD mirrored to the pinned int32 status words at `status` (0: none)."""
         k, i64, z = self.kernels["publish"], self._i64, self._zero
         self._ticket, self._ntok = ticket, -1
-        k(self._base_arg, i64(slots), i64(status), z, z, z, z, 0, 0, ticket, ctas, self._stream())
+        k(self._base_arg, i64(args), i64(status), z, z, z, z, 0, 0, ticket, ctas, self._stream())
 
     def ready(self, ntok: int) -> None:
         """The READY kernel alone (generation + 1, NTOK = ntok): for callers that wrote the published buffers

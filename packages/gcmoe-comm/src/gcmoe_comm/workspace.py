@@ -8,6 +8,7 @@ signals and the combine buffer, and the peer address table the kernels get by va
     ws.peer_views(q)                               # rank q's buffers as this process addresses them
     ws.peers                                       # base address of every rank's workspace, rank order
     ws.check()                                     # raises CommError when a kernel's bounded wait expired
+    with ws.warmup(): ...                          # launches in the block load kernels and do nothing (ERR = WARMUP)
     ws.recover()                                   # zero the signals (every rank, between a fault and the next call)
 
 Every rank's workspace has the same layout (WorkspaceLayout, byte offsets from the base), so one base address per
@@ -33,11 +34,12 @@ rank is the whole peer table. Signal words (uint32, start of the buffer; each gr
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_READY, KIND_RECV
+from gcmoe_core.signals import ERR_WARMUP, KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_READY, KIND_RECV
 
 from .ring import RingSpec
 
@@ -98,6 +100,15 @@ def bad_input_message(bad: list[int], num_experts: int) -> str | None:
             " (that slot was dropped)"
         )
     return f"gcmoe: topk_weights: holds a non-finite routing weight (NaN or Inf) at token {token}, slot {slot}"
+
+
+def _quiesce(device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    if torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream(device).synchronize()
+    else:
+        torch.cuda.synchronize(device)
 
 
 def _align(n: int, a: int = 128) -> int:
@@ -272,6 +283,21 @@ class Workspace:
         msg = self.error()
         if msg is not None:
             raise CommError(msg)
+
+    @contextlib.contextmanager
+    def warmup(self):
+        """Launch kernels inside this block to load their modules without effect: ERR says WARMUP meanwhile (every
+        kernel of the layer then returns at once). The device is quiet before and after (only the current stream
+        while another stream is being captured: a device-wide synchronisation is refused then, and a workspace
+        made under capture has nothing in flight elsewhere)."""
+        err = self.views.signals[SIG_ERR : SIG_ERR + 1]
+        _quiesce(self.buf.device)
+        err.fill_(ERR_WARMUP)
+        try:
+            yield
+        finally:
+            err.zero_()
+            _quiesce(self.buf.device)
 
     def bad_input(self, clear: bool = True) -> str | None:
         """The first invalid routing entry a publish recorded (since the last clear), in words, or None (one sync)."""

@@ -105,9 +105,9 @@ def fp8_pow2_exponent(amax: Float32) -> Int32:
 
 
 def fake_epilogue_args(mode: str, m: int, tile_m: int = 256):
-    """The epilogue operands both grouped kernel packages share, as fakes for an offline compile:
-    W1: route_w fp32 [R], hq uint8 [R, M/2] (FP8 bits), hsT fp32 [M/tile_m, R];  W2: dst int32 [R], out bf16 [R', M],
-    and an unused fp32 [1]. Every row extent is its own run-time symbol."""
+    """Grouped-kernel epilogue operands as fakes for an offline compile: W1 (both kernel packages): route_w fp32 [R],
+    hq uint8 [R, M/2] (FP8 bits), hsT fp32 [M/tile_m, R];  W2 (sm103; sm90's W2 scatters through a peer table):
+    dst int32 [R], out bf16 [R', M], and an unused fp32 [1]. Every row extent is its own run-time symbol."""
     dyn = cute.sym_int
     if mode == "w1":
         return (

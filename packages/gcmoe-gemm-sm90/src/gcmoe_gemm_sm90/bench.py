@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from gcmoe_core.config import MoEConfig
+from gcmoe_core.formats import quantize_fp8_rowwise
 from gcmoe_core.grouping import group_rows, grouped_forward, prepare_activations
 from gcmoe_core.testing import make_tokens, make_weights
 from gcmoe_core.timing import (
@@ -68,26 +69,18 @@ class TorchPeer:
         w13 = torch.randn(e, 2 * i, h, generator=g, device="cuda", dtype=torch.bfloat16) * h**-0.5
         w2_ = torch.randn(e, h, i, generator=g, device="cuda", dtype=torch.bfloat16) * i**-0.5
         self.fp8, self.i = fp8, i
-        if fp8:
-            self.w13, self.s13 = self._q_rowwise(w13)
-            self.w2, self.s2 = self._q_rowwise(w2_)
+        if fp8:  # [E, K, N] column-major views of the rowwise-quantised [E, N, K], scales [E, N]
+            (q13, self.s13), (q2, self.s2) = quantize_fp8_rowwise(w13), quantize_fp8_rowwise(w2_)
+            self.w13, self.w2 = q13.transpose(1, 2), q2.transpose(1, 2)
         else:
             self.w13, self.w2 = w13.transpose(1, 2), w2_.transpose(1, 2)  # [E, K, N] column-major views
 
-    @staticmethod
-    def _q_rowwise(w: torch.Tensor):
-        s = w.float().abs().amax(dim=2).clamp_min(1e-12) / 448.0  # [E, N]
-        q = (w.float() / s.unsqueeze(2)).to(torch.float8_e4m3fn)  # [E, N, K]
-        return q.transpose(1, 2), s  # [E, K, N] column-major, scales [E, N]
-
     def __call__(self, x_rows: torch.Tensor, offs_end: torch.Tensor, route_w: torch.Tensor) -> torch.Tensor:
         if self.fp8:
-            sa = x_rows.float().abs().amax(1).clamp_min(1e-12) / 448.0
-            xa = (x_rows.float() / sa.unsqueeze(1)).to(torch.float8_e4m3fn)
+            xa, sa = quantize_fp8_rowwise(x_rows)
             gu = torch._scaled_grouped_mm(xa, self.w13, sa, self.s13, offs=offs_end, out_dtype=torch.bfloat16)
             hh = (torch.nn.functional.silu(gu[:, : self.i].float()) * gu[:, self.i :].float()) * route_w.unsqueeze(1)
-            sh = hh.abs().amax(1).clamp_min(1e-12) / 448.0
-            ha = (hh / sh.unsqueeze(1)).to(torch.float8_e4m3fn)
+            ha, sh = quantize_fp8_rowwise(hh)
             return torch._scaled_grouped_mm(ha, self.w2, sh, self.s2, offs=offs_end, out_dtype=torch.bfloat16)
         gu = torch._grouped_mm(x_rows, self.w13, offs=offs_end)
         hh = (torch.nn.functional.silu(gu[:, : self.i].float()) * gu[:, self.i :].float()) * route_w.unsqueeze(1)

@@ -68,6 +68,7 @@ from gcmoe_core.kernel_helpers import (
     bits_to_f32,
     bulk_copy_g2s,
     cvt_e4m3x2,
+    fake_epilogue_args,
     fp8_pow2_exponent,
     ld_cluster_u32,
     st_cluster_f32,
@@ -787,12 +788,8 @@ def fake_operands(mode: str, m: int, k: int, ranks_sym=None):
         make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4),
         make_fake_compact_tensor(Int32, (32,), assumed_align=16),
     ]
-    if mode == "w1":
-        ops += [
-            make_fake_compact_tensor(Float32, (dyn(),), assumed_align=4),
-            make_fake_compact_tensor(cutlass.Uint8, (dyn(), m // 2), stride_order=(1, 0), assumed_align=16),
-            make_fake_compact_tensor(Float32, (m // TILE_M, dyn()), stride_order=(1, 0), assumed_align=4),
-        ]
+    if mode == "w1":  # the W1 epilogue's operands, as the sm103 kernels take them too
+        ops += list(fake_epilogue_args("w1", m, TILE_M))
     else:
         ops += [
             make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4),

@@ -40,27 +40,34 @@ class RoleNodes:
     shared: Callable[[], None] | None = None
 
 
-def enqueue_roles(part: Partition, roles: RoleNodes, overlap: bool) -> None:
+def enqueue_roles(
+    part: Partition,
+    roles: RoleNodes,
+    overlap: bool,
+    streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None,
+) -> None:
     """Enqueue one layer's role nodes on the partition streams, forked from and joined back to the current stream.
-    The same function runs eagerly and under capture, so eager and replayed layers are the same work."""
+    The same function runs eagerly and under capture, so eager and replayed layers are the same work. streams:
+    another (comm, compute) pair of this partition (Partition.new_streams) instead of its own pair."""
+    comm_stream, compute_stream = streams or (part.comm_stream, part.compute_stream)
     origin = torch.cuda.current_stream()
     fork = torch.cuda.Event()
     fork.record(origin)
-    part.comm_stream.wait_event(fork)
-    part.compute_stream.wait_event(fork)
-    with torch.cuda.stream(part.comm_stream):
+    comm_stream.wait_event(fork)
+    compute_stream.wait_event(fork)
+    with torch.cuda.stream(comm_stream):
         roles.dispatch()
     dispatched = torch.cuda.Event()
-    dispatched.record(part.comm_stream)
-    with torch.cuda.stream(part.compute_stream):
+    dispatched.record(comm_stream)
+    with torch.cuda.stream(compute_stream):
         if not overlap:
-            part.compute_stream.wait_event(dispatched)
+            compute_stream.wait_event(dispatched)
         roles.compute()
         roles.finalize()
         if roles.shared is not None:
             roles.shared()
     computed = torch.cuda.Event()
-    computed.record(part.compute_stream)
+    computed.record(compute_stream)
     origin.wait_event(dispatched)
     origin.wait_event(computed)
 

@@ -26,11 +26,10 @@ How `tune` measures and decides:
 - Every variant times the public call (layer(x, topk_ids, topk_weights)) captured in a CUDA graph, cold L2 by a read
   pass before each replay (clean lines: no write-back shares HBM with the timed run), median of `iters` replays; the
   same inputs for every variant at a given T.
-- A device is split into green contexts once (gcmoe_greenctx.split_device), so only one comm size can be live at a
-  time: the variants cannot alternate replay by replay. Instead they alternate by rounds: each round builds every
-  size in turn (0 = unpartitioned included, order rotated per round) and times all T on it; a (size, T) cell is the
-  median over rounds. Slow drift (clocks, temperature) thus hits every size alike. tune owns the device while it
-  runs: each layer is freed, and its partition released, before the next is built.
+- One layer (its own prepacked weights, ~0.8 GB for a DeepSeek-V3 slice, and workspaces) is live at a time, so the
+  sizes alternate by rounds rather than replay by replay: each round builds every size in turn (0 = unpartitioned
+  included, order rotated per round) and times all T on it; a (size, T) cell is the median over rounds. Slow drift
+  (clocks, temperature) thus hits every size alike. The green-context splits stay (one per size, they coexist).
 - comm_sms = the size with the lowest total time over the T <= 32 points (the decode sizes the design is for; larger
   T would let the compute-bound end outvote them); ties go to the smaller size (more SMs for the GEMM).
 - unpartitioned_above = the largest T such that, at it and at every smaller swept T, the chosen size beats
@@ -226,15 +225,11 @@ def gpu_timer(device: torch.device, iters: int) -> Callable[[object, int], float
 
 
 def _free(device: torch.device) -> None:
-    """After the last reference to a layer is dropped: collect it and release the device's green contexts so the
-    next comm size can split the device (tune owns the device while it runs)."""
+    """After the last reference to a layer is dropped: collect it and return its memory before the next is built."""
     if device.type != "cuda":
         return
-    from gcmoe_greenctx import release
-
     gc.collect()
     torch.cuda.synchronize(device)
-    release(device.index)
     torch.cuda.empty_cache()
 
 

@@ -159,7 +159,7 @@ class Sm90Plan:
         lane = self.lane(stream)
         if torch.cuda.is_current_stream_capturing():
             return lane.enqueue_captured(x, topk_ids, topk_weights)
-        return lane.call(x, topk_ids, topk_weights, check_values)
+        return lane.call(x, topk_ids, topk_weights, check_values, stream)
 
     def check(self) -> None:
         for lane in list(self._lanes.values()):
@@ -225,7 +225,7 @@ class Lane:
             self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=True)
             self._slots_np, self._status_np = self.slots.numpy(), self.status.numpy()
             self.seq = 0  # slot calls issued
-            self.streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+            self.streams: dict[int, tuple] = {}  # comm SMs -> (split, this lane's stream pair on it)
             self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
             self.comm.load()  # every comm kernel loaded before the first cross-rank wait
         if cfg.ep_size > 1:
@@ -270,65 +270,52 @@ class Lane:
 
     def _load_gemms(self, kcfg) -> None:
         """Compile + load one bucket's W1 / W2 by launching them with ERR set to WARMUP (they return at once)."""
-        from gcmoe_comm.workspace import SIG_ERR
-        from gcmoe_core.signals import ERR_WARMUP
+        with self.ws.warmup():
+            self._gemms(_ring_config(kcfg), 1)
 
-        err = self.ws.views.signals[SIG_ERR : SIG_ERR + 1]
-        _quiesce(self.plan.device)  # no call of this lane in flight while ERR says WARMUP
-        err.fill_(ERR_WARMUP)
-        self._gemms(_ring_config(kcfg), 1)
-        err.zero_()
-        _quiesce(self.plan.device)
-
-    def _partition_streams(self, comm_sms: int):
-        """This lane's (comm, compute) streams on the device's split of comm_sms SMs (created outside any capture)."""
+    def _partition(self, comm_sms: int):
+        """(the device's split of comm_sms SMs, this lane's own stream pair on it), made outside any capture."""
         if comm_sms not in self.streams:
             from gcmoe_greenctx import split_device
 
             with _outside_capture(self.plan.device):
                 part = split_device(comm_sms, self.plan.device.index, mode="auto")
-                self.streams[comm_sms] = part.new_streams()
+                self.streams[comm_sms] = (part, part.new_streams())
         return self.streams[comm_sms]
 
     def _enqueue(self, bucket: int, ticket: int, publish, out: torch.Tensor | None):
-        """The five kernels of one call on the current stream (sequential) or forked onto this lane's partition
-        streams and joined back; publish() enqueues the publish launch (by value or from the slots)."""
+        """The five kernels of one call as role nodes (gcmoe_greenctx.enqueue_roles): publish + dispatch on this
+        lane's comm stream, W1, W2, finalize on its compute stream, forked from and joined back to the current
+        stream; comm_sms = 0 for the bucket: all five in order on the current stream. publish() enqueues the publish
+        launch (by value or from the argument block)."""
+        from gcmoe_greenctx import RoleNodes, enqueue_roles
+
         plan = self.plan
         kcfg = _ring_config(plan.kernel_config(bucket))
-        comm_sms = plan.policy.mode_for(bucket)
-        origin = torch.cuda.current_stream(plan.device)
-
-        def comm_role():
-            publish()
-            self.comm.dispatch()
-
-        def compute_role():
-            self._gemms(kcfg, ticket)
-            self.comm.finalize(out, status=0 if out is not None else self.status.data_ptr())
-
-        if self.probe is not None:  # tests: which SMs each role's stream runs on, beside the roles
+        status = 0 if out is not None else self.status.data_ptr()
+        probe = self.probe  # tests: %smid of each role's stream, recorded beside the roles
+        if probe is not None:
             from gcmoe_greenctx.kernel_smid import record_smids
 
-            comm_role = _then(comm_role, lambda: record_smids(self.probe[0], 20_000))
-            compute_role = _then(compute_role, lambda: record_smids(self.probe[1], 20_000))
+        def dispatch():
+            publish()
+            self.comm.dispatch()
+            if probe is not None:
+                record_smids(probe[0], 20_000)
+
+        def finalize():
+            self.comm.finalize(out, status=status)
+            if probe is not None:
+                record_smids(probe[1], 20_000)
+
+        roles = RoleNodes(dispatch, lambda: self._gemms(kcfg, ticket), finalize)
+        comm_sms = plan.policy.mode_for(bucket)
         if comm_sms == 0:
-            comm_role()
-            compute_role()
+            for role in (roles.dispatch, roles.compute, roles.finalize):
+                role()
             return
-        comm_s, comp_s = self._partition_streams(comm_sms)
-        fork = torch.cuda.Event()
-        fork.record(origin)
-        comm_s.wait_event(fork)
-        comp_s.wait_event(fork)
-        with torch.cuda.stream(comm_s):
-            comm_role()
-        with torch.cuda.stream(comp_s):
-            compute_role()
-        done_comm, done_comp = torch.cuda.Event(), torch.cuda.Event()
-        done_comm.record(comm_s)
-        done_comp.record(comp_s)
-        origin.wait_event(done_comm)
-        origin.wait_event(done_comp)
+        part, streams = self._partition(comm_sms)
+        enqueue_roles(part, roles, overlap=True, streams=streams)
 
     # -- the captured path (inside a caller's capture): by-value arguments
     def enqueue_captured(self, x, topk_ids, topk_weights) -> torch.Tensor:
@@ -342,6 +329,7 @@ class Lane:
 
     # -- the eager path: the bucket's graph, arguments through the host slots
     def graph(self, bucket: int) -> torch.cuda.CUDAGraph:
+        """The bucket's captured role graph (the slot path), captured on first use."""
         g = self.graphs.get(bucket)
         if g is None:
             from gcmoe_comm.comm import new_ticket
@@ -352,7 +340,7 @@ class Lane:
             self._load_gemms(self.plan.kernel_config(bucket))  # compile + load outside the capture
             comm_sms = self.plan.policy.mode_for(bucket)
             if comm_sms:
-                self._partition_streams(comm_sms)
+                self._partition(comm_sms)
             g = torch.cuda.CUDAGraph()
             side = torch.cuda.Stream(device=self.plan.device)
             with torch.cuda.graph(g, stream=side):
@@ -360,13 +348,12 @@ class Lane:
             self.graphs[bucket] = g
         return g
 
-    def call(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
-        """The eager path (host work per call: a few Python steps, one async copy, one graph launch)."""
+    def call(self, x, topk_ids, topk_weights, check_values: bool, stream: torch.cuda.Stream) -> torch.Tensor:
+        """The eager path on `stream` (the current one): a few Python steps, one async copy, one graph launch."""
         t = x.shape[0]
         n = self.seq
         st = self._status_np
-        if st[8]:
-            self._raise_comm_error()
+        self._raise_comm_error()
         if check_values and n > 0:
             if st[0] < n:
                 self._wait_done(n)  # the previous call's publish ran: its BAD words are in the status
@@ -375,7 +362,7 @@ class Lane:
         if n >= self.nslots and st[0] < n - self.nslots + 1:
             self._wait_done(n - self.nslots + 1)  # staging slot n mod NSLOTS: its copy has run
         out = torch.empty(t, self._hidden, dtype=torch.bfloat16, device=x.device)
-        graph = self.graphs.get(1 << (t - 1).bit_length()) or self.graph(token_bucket(t))
+        graph = self.graph(token_bucket(t))
         k = n % self.nslots
         row = self._slots_np[k]
         row[0], row[1], row[2], row[3] = x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr()
@@ -384,7 +371,7 @@ class Lane:
             self._args_ptr,
             self._slot0 + k * self._slot_bytes,
             self._slot_bytes,
-            _driver.CUstream(torch.cuda.current_stream(self.plan.device).cuda_stream),
+            _driver.CUstream(stream.cuda_stream),
         )[0]
         if err != _driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"gcmoe: copying the call's arguments to the device failed: {err}")
@@ -435,14 +422,6 @@ class Lane:
         self.status.zero_()
 
 
-def _then(first, second):
-    def both():
-        first()
-        second()
-
-    return both
-
-
 def virtual_ranks(cfg: MoEConfig, tensors_per_rank, device: torch.device, options: LayerOptions) -> list[Sm90Plan]:
     """cfg.ep_size = P ranks in this process on one GPU (tests, benchmarks): rank q's plan holds its prepacked
     experts tensors_per_rank[q] and its buffer of one Workspace.virtual set, so dispatch pulls and the W2 scatter
@@ -452,15 +431,6 @@ def virtual_ranks(cfg: MoEConfig, tensors_per_rank, device: torch.device, option
 
     wss = Workspace.virtual(ring_spec(cfg), device)
     return [Sm90Plan(cfg, tensors, device, options, workspace=ws) for tensors, ws in zip(tensors_per_rank, wss)]
-
-
-def _quiesce(device: torch.device) -> None:
-    """Wait for the device (its current stream only while another stream is being captured: a device-wide
-    synchronisation is refused then; a lane being made under capture has nothing in flight elsewhere)."""
-    if torch.cuda.is_current_stream_capturing():
-        torch.cuda.current_stream(device).synchronize()
-    else:
-        torch.cuda.synchronize(device)
 
 
 def _ring_config(kcfg):
@@ -506,7 +476,7 @@ class Sm90EmulatedPlan:
         self.w13, self.w2 = unpack_sm90(self.moe.w13), unpack_sm90(self.moe.w2)
 
     def forward(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
-        from gcmoe_comm.ring import dispatch_emulated
+        from gcmoe_comm.ring import dispatch_emulated, scatter_emulated
         from gcmoe_core.grouping import Activations, RowLayout
         from gcmoe_gemm_sm90.ops import emulate_w1, emulate_w2
 
@@ -514,14 +484,13 @@ class Sm90EmulatedPlan:
             check_call_values(self.cfg.num_experts, topk_ids, topk_weights)
         spec, t, h = self.spec, x.shape[0], self.cfg.hidden_size
         ring = dispatch_emulated(spec, 0, [topk_ids], [topk_weights], [x])
-        valid = ring.src[:, 0] >= 0
-        sink = spec.max_tokens * spec.slots
-        dst = torch.where(valid, ring.src[:, 1] * spec.slots + ring.src[:, 2], torch.full_like(ring.src[:, 0], sink))
-        layout = RowLayout(spec.bm, spec.capacity, ring.offsets, ring.counts, dst.to(torch.int32))
+        rows = torch.arange(spec.capacity, dtype=torch.int32, device=x.device)  # W2's output row i = ring row i
+        layout = RowLayout(spec.bm, spec.capacity, ring.offsets, ring.counts, rows)
         hq, hsT = emulate_w1(self.w13, Activations(ring.x_rows, ring.sxT, ring.route_w), layout)
-        combine = torch.full((sink + 1, h), float("nan"), dtype=torch.bfloat16, device=x.device)
-        emulate_w2(self.w2, hq, hsT, layout, combine)
-        return combine_slots(combine[: t * spec.slots].view(t, spec.slots, h))
+        out = emulate_w2(self.w2, hq, hsT, layout, torch.empty(spec.capacity, h, dtype=torch.bfloat16, device=x.device))
+        combine = torch.full((t * spec.slots, h), float("nan"), dtype=torch.bfloat16, device=x.device)
+        scatter_emulated(ring, out, [combine], spec.slots)  # W2's scatter to the (token, slot) combine rows
+        return combine_slots(combine.view(t, spec.slots, h))
 
     def check(self) -> None:
         return None
