@@ -329,6 +329,10 @@ def test_roles_keep_their_partitions_inside_a_callers_capture():
     lane = layer.packed.plan.lane(s)
     comm_ids = torch.full((4 * part.comm_sms,), -1, dtype=torch.int32, device="cuda")
     comp_ids = torch.full((4 * part.compute_sms,), -1, dtype=torch.int32, device="cuda")
+    from gcmoe_greenctx.kernel_smid import record_smids
+
+    record_smids(comm_ids, 1_000)  # the probe kernel loaded before the capture, as the layer's own kernels are
+    torch.cuda.synchronize()
     lane.probe = (comm_ids, comp_ids)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):

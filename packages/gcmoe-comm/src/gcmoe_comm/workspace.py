@@ -102,15 +102,6 @@ def bad_input_message(bad: list[int], num_experts: int) -> str | None:
     return f"gcmoe: topk_weights: holds a non-finite routing weight (NaN or Inf) at token {token}, slot {slot}"
 
 
-def _quiesce(device: torch.device) -> None:
-    if device.type != "cuda":
-        return
-    if torch.cuda.is_current_stream_capturing():
-        torch.cuda.current_stream(device).synchronize()
-    else:
-        torch.cuda.synchronize(device)
-
-
 def _align(n: int, a: int = 128) -> int:
     return -(-n // a) * a
 
@@ -291,13 +282,16 @@ class Workspace:
         while another stream is being captured: a device-wide synchronisation is refused then, and a workspace
         made under capture has nothing in flight elsewhere)."""
         err = self.views.signals[SIG_ERR : SIG_ERR + 1]
-        _quiesce(self.buf.device)
+        stream = torch.cuda.current_stream(self.buf.device) if self.buf.is_cuda else None
+        if stream is not None:
+            stream.synchronize()
         err.fill_(ERR_WARMUP)
         try:
             yield
         finally:
             err.zero_()
-            _quiesce(self.buf.device)
+            if stream is not None:
+                stream.synchronize()
 
     def bad_input(self, clear: bool = True) -> str | None:
         """The first invalid routing entry a publish recorded (since the last clear), in words, or None (one sync)."""

@@ -337,6 +337,7 @@ class Lane:
             ticket = new_ticket()
             ctas = self.comm.publish_ctas(bucket)
             publish = lambda: self.comm.publish_slots(self.args.data_ptr(), self.status.data_ptr(), ticket, ctas)
+            torch.cuda.synchronize(self.plan.device)  # (never under a capture) no call of this lane in flight anywhere
             self._load_gemms(self.plan.kernel_config(bucket))  # compile + load outside the capture
             comm_sms = self.plan.policy.mode_for(bucket)
             if comm_sms:
