@@ -7,7 +7,7 @@
 #   device call 2 (carry .gpu-wheels/b):  source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh info tests greenctx bench
 #   later calls on the warm machine:      source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh <steps>
 #
-# steps: info | tests | greenctx | layersmoke | layer | bench | tune | smoke | sm90 | sm90bench | comm | multiproc |
+# steps: info | tests | greenctx | layersmoke | layer | bench | tune | smoke | sanitize | sm90 | sm90bench | comm | multiproc |
 # commbench | all
 # (default: all). Each step's log and results land in $OUT. BENCH_ARGS / TUNE_ARGS / LAYER_TEST_ARGS pass through.
 set -uo pipefail
@@ -27,6 +27,7 @@ run_step() {
     bench)    python3 -m gcmoe.cli bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" \
                 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
               return "${PIPESTATUS[0]}" ;;
+    sanitize) bash tools/gpu/sanitize.sh 2>&1 | tee "$OUT/sanitize.log"; return "${PIPESTATUS[0]}" ;;
     smoke)    timeout 150 python3 tools/gpu/sm90_smoke.py --timeout 120 ;;
     layersmoke) timeout 300 python3 tools/gpu/layer_smoke.py --timeout 280 2>&1 | tee "$OUT/layer-smoke.log"
               return "${PIPESTATUS[0]}" ;;

@@ -50,15 +50,17 @@ for n_tile in (8, 16, 32):
     )
     ok &= d < 1e-3
 
-# ring mode on the routed experts' rows; signal words: INUSE = ticket, CGEN = 0, OFFS = 1, ERR (5) clear, L1_FULL = 1
+# ring mode on the routed experts' rows; signal words: INUSE = ticket, CGEN = 0, OFFS = 1, ERR (5) clear, L1_FULL = 1,
+# W1_DONE clear
 routed = cfg.replace(num_shared_experts=0)
 x, ids, w, weights, _ = make_problem(Case(routed, 21, "uniform", seed=3), device="cuda")
 moe, kc = MoESm90.from_weights(weights), Sm90Config(16, 3, 2)
 lay = group_rows(ids, routed.num_experts, kc.n_tile)
 acts = prepare_activations(x, w, lay, routed.top_k)
-sig = torch.zeros(16 + lay.rows // kc.ring_bm, dtype=torch.int32, device="cuda")
-sig[0], sig[2], sig[16:] = 5, 1, 1
-ring = RingSync(*(sig.data_ptr() + 4 * i for i in (0, 1, 2, 8, 16)), ticket=5, timeout_ns=10**9)
+blocks = lay.rows // kc.ring_bm
+sig = torch.zeros(16 + blocks + 2 * routed.num_experts, dtype=torch.int32, device="cuda")  # + W1_DONE pairs, clear
+sig[0], sig[2], sig[16 : 16 + blocks] = 5, 1, 1
+ring = RingSync(*(sig.data_ptr() + 4 * i for i in (0, 1, 2, 8, 16, 16 + blocks)), ticket=5, timeout_ns=10**9)
 src = torch.zeros(lay.rows, 3, dtype=torch.int32, device="cuda")
 results = []
 for c, r in ((kc, None), (replace(kc, ring=True), ring)):

@@ -1,11 +1,15 @@
-"""The layer's K splits at small T, side by side (run on the GPU): the public call captured in a CUDA graph with the
-chosen kernel configuration and with each other (W1, W2) split forced, interleaved, cold L2, medians.
+"""Kernel configurations of the layer side by side (run on the GPU): the public call captured in a CUDA graph with the
+chosen kernel configuration and with variants of it forced, interleaved, cold L2, medians.
 
-    python tools/gpu/split_sweep.py [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2] [--out DIR]
+    --sweep splits       every other (W1, W2) K split (at small T)
+    --sweep expert_sync  W2 per expert after its W1 tiles (W1_DONE tags) vs after the whole W1 grid
+
+    python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2] [--out DIR]
 """
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,6 +22,7 @@ from gcmoe_gemm_sm90.config import can_implement, with_splits
 from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
+ap.add_argument("--sweep", choices=("splits", "expert_sync"), default="splits")
 ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2])
 ap.add_argument("--iters", type=int, default=20)
@@ -34,9 +39,15 @@ for model in args.models:
         chosen = moe.config_for(t, cfg.top_k)
         x, ids, w = make_tokens(cfg, t, "uniform", t, device="cuda")
         graphs, layers = {}, []
-        for sp in [chosen.splits, (1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]:
-            name = "chosen" if sp is chosen.splits else f"split{sp[0]}{sp[1]}"
-            kcfg = with_splits(chosen, sp, h, i)
+        if args.sweep == "splits":
+            variants = {
+                "chosen" if sp is chosen.splits else f"split{sp[0]}{sp[1]}": with_splits(chosen, sp, h, i)
+                for sp in [chosen.splits, (1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]
+            }
+        else:
+            variants = {"chosen": chosen, "grid_wait": replace(chosen, expert_sync=False)}
+        for name, kcfg in variants.items():
+            sp = kcfg.splits
             if any(can_implement(m, k, 1, kcfg, splits=s) for (m, k), s in zip(((2 * i, h), (h, i)), sp)):
                 continue
             layer = gcmoe.MoELayer(cfg, "cuda", "sm90", kernel_config=kcfg).load(weights)
@@ -46,10 +57,19 @@ for model in args.models:
         times = time_interleaved(graphs, args.iters, l2_flush="read")
         active = int(torch.unique(ids).numel()) + cfg.num_shared_experts
         floor = fp4_floor_us(h, i, active, bw)
-        rec = {"model": model, "tokens": t, "chosen_splits": list(chosen.splits), "floor_us": floor, **times}
+        rec = {
+            "model": model,
+            "tokens": t,
+            "sweep": args.sweep,
+            "chosen_splits": list(chosen.splits),
+            "floor_us": floor,
+        }
+        rec.update(times)
         recs.append(rec)
         print(json.dumps(rec), flush=True)
         del layers, graphs
         torch.cuda.empty_cache()
 Path(args.out).mkdir(parents=True, exist_ok=True)
-Path(args.out, "split-sweep.json").write_text(json.dumps({"meta": run_meta(copy_tb_s=bw / 1e12), "records": recs}))
+Path(args.out, f"{args.sweep.replace('_', '-')}-sweep.json").write_text(
+    json.dumps({"meta": run_meta(copy_tb_s=bw / 1e12), "records": recs})
+)

@@ -7,7 +7,7 @@ import torch
 
 from gcmoe_comm.comm import CommRank
 from gcmoe_comm.ring import RingSpec
-from gcmoe_comm.workspace import SIG_BAD, SIG_ERR, SIG_L1_FULL, CommError, Workspace, WorkspaceLayout
+from gcmoe_comm.workspace import SIG_BAD, SIG_ERR, SIG_L1_FULL, CommError, Workspace, WorkspaceLayout, sig_w1_done
 from gcmoe_core.config import MoEConfig
 
 SPEC = RingSpec(ranks=2, local_experts=4, hidden=256, top_k=2, max_tokens=16, bm=8)
@@ -24,7 +24,7 @@ def test_layout_aligned_disjoint_and_sized():
     assert spans[-1][1] <= lay.nbytes
     assert lay.sizes["ring_x"] == spec.capacity * 7168
     assert lay.sizes["combine"] == (256 * (8 + 1) + 1) * 7168 * 2  # k + S slots per token, then the sink row
-    assert lay.sizes["signals"] == (SIG_L1_FULL + spec.blocks) * 4
+    assert lay.sizes["signals"] == (SIG_L1_FULL + spec.blocks + 2 * spec.ring_experts) * 4  # + the W1_DONE pairs
 
 
 def test_views_cover_their_buffers_exactly():
@@ -38,6 +38,8 @@ def test_views_cover_their_buffers_exactly():
         assert t.numel() * t.element_size() == lay.sizes[name]
     assert v.ring_sxT.shape == (2, SPEC.capacity) and v.combine.shape == (16 * 2 + 1, 256)
     assert v.sink_row == 32 and v.l1_full.numel() == SPEC.blocks
+    assert v.w1_done.shape == (SPEC.ring_experts, 2)
+    assert v.w1_done.data_ptr() == v.signals.data_ptr() + 4 * sig_w1_done(SPEC)
     assert int(v.signals.abs().sum()) == 0
 
 

@@ -15,7 +15,7 @@ from gcmoe_core.config import MoEConfig
 from gcmoe_core.formats import quantize_fp8_e4m3_1x128
 from gcmoe_core.grouping import Activations, RowLayout, group_rows, prepare_activations
 from gcmoe_core.reference import MoEWeights, moe_reference
-from gcmoe_core.signals import ERR_FAILED, KIND_BLOCK, KIND_OFFS, KIND_RECV
+from gcmoe_core.signals import ERR_FAILED, KIND_BLOCK, KIND_OFFS, KIND_RECV, KIND_W1
 from gcmoe_core.testing import (
     Case,
     calc_diff,
@@ -144,6 +144,7 @@ RING = MoEConfig(
 RING_COUNTS = (3, 9, 0, 20)
 RING_BM = 8
 # the signal words (each on its own 128-byte line, as in a workspace): INUSE, CGEN, OFFS, ERR (5 words), L1_FULL
+# (one per ring block), then the W1_DONE pairs (count, tag) of every expert
 SIG_INUSE, SIG_CGEN, SIG_OFFS, SIG_ERR, SIG_L1_FULL = 0, 32, 64, 96, 128
 TICKET = 7
 TIMEOUT_MS = 100
@@ -179,18 +180,24 @@ def ring_rows(seed: int) -> tuple[RowLayout, Activations]:
     return layout, acts
 
 
+def sig_w1_done(sig: torch.Tensor) -> int:
+    return sig.numel() - 2 * len(RING_COUNTS)
+
+
 def ring_signals(layout: RowLayout) -> torch.Tensor:
     """The words as dispatch leaves them for call 1: INUSE = the call's ticket, CGEN = 0, OFFS = 1, L1_FULL = 1 for
-    every ring block of the rows, ERR clear."""
-    sig = torch.zeros(SIG_L1_FULL + layout.rows // RING_BM, dtype=torch.int32, device="cuda")
+    every ring block of the rows, ERR and W1_DONE clear."""
+    blocks = layout.rows // RING_BM
+    sig = torch.zeros(SIG_L1_FULL + blocks + 2 * len(RING_COUNTS), dtype=torch.int32, device="cuda")
     sig[SIG_INUSE], sig[SIG_CGEN], sig[SIG_OFFS] = TICKET, 0, 1
-    sig[SIG_L1_FULL:] = 1
+    sig[SIG_L1_FULL : SIG_L1_FULL + blocks] = 1
     return sig
 
 
 def ring_sync(sig: torch.Tensor, timeout_ms: int = TIMEOUT_MS) -> RingSync:
     a = lambda i: sig.data_ptr() + 4 * i
-    return RingSync(a(SIG_INUSE), a(SIG_CGEN), a(SIG_OFFS), a(SIG_ERR), a(SIG_L1_FULL), TICKET, timeout_ms * 10**6)
+    words = (SIG_INUSE, SIG_CGEN, SIG_OFFS, SIG_ERR, SIG_L1_FULL, sig_w1_done(sig))
+    return RingSync(*(a(i) for i in words), TICKET, timeout_ms * 10**6)
 
 
 class RingRun:
@@ -248,7 +255,11 @@ def test_ring_mode_equals_prepared_rows(variant):
     ringed = run.outputs()
     for name, a, b in zip(("hq", "hsT", "out"), plain, ringed, strict=True):
         assert _bits_equal(a, b), f"{name}: {first_mismatch(a, b)}"
-    assert torch.equal(sig, before), "ring mode wrote a signal word (ERR?)"
+    # the W1_DONE pairs: every expert with rows counted its M tiles back to 0 and tagged generation 1 (W2 acquired
+    # it); experts without rows untouched; nothing else written (ERR clear)
+    w1d = sig_w1_done(sig)
+    assert sig[w1d:].view(-1, 2).tolist() == [[0, int(c > 0)] for c in RING_COUNTS]
+    assert torch.equal(sig[:w1d], before[:w1d]), "ring mode wrote a signal word (ERR?)"
     hq, hsT, out = ringed
     valid = layout.src_slot >= 0
     _assert_w1_matches_model(hq, hsT, *emulate_w1(unpack_sm90(moe.w13), acts, layout), valid)
@@ -285,18 +296,22 @@ def test_ring_mode_stores_nothing_once_err_is_set():
     assert dt < 0.5, f"{dt:.3f} s with ERR set: a wait ran instead of returning at once"
 
 
-@pytest.mark.parametrize("missing", ["offs", "block"])
+@pytest.mark.parametrize("missing", ["offs", "block", "w1"])
 def test_ring_wait_is_bounded_and_recorded(missing):
     """offs: OFFS never reaches CGEN + 1 = 1 -> every CTA gives up within the bound (RingSync.timeout_ns), the first
     records (1, KIND_OFFS, 0, generation 1, seen 0), nothing is written. block: the last ring block of expert 3 never
-    gets its L1_FULL tag -> (1, KIND_BLOCK, block 5, 1, 0), and W2 stores nothing (W1's scratch rows may be written).
-    The whole call returns within 2x the bound."""
+    gets its L1_FULL tag -> (1, KIND_BLOCK, block 5, 1, 0), and expert 3's W2 stores nothing (W1's scratch rows may
+    be written; other experts' W2 may store, since it starts per expert). w1: expert 1's W1_DONE count starts off
+    (as if a tile of it were lost) so its tag never comes -> its W2 waits out the bound: (1, KIND_W1, expert 1, 1, 0)
+    and stores nothing. The whole call returns within 2x the bound."""
     cfg, layout, run, sig = _ring_warmed(13)
     block = layout.rows // RING_BM - 1  # expert 3's rows 24..43 lie in blocks 3..5
     if missing == "offs":
         sig[SIG_OFFS] = 0
-    else:
+    elif missing == "block":
         sig[SIG_L1_FULL + block] = 0
+    else:
+        sig[sig_w1_done(sig) + 2 * 1] = 100
     run.poison()
     poisoned = run.outputs()
     t0 = time.perf_counter()
@@ -305,9 +320,13 @@ def test_ring_wait_is_bounded_and_recorded(missing):
     dt = time.perf_counter() - t0
     bound = TIMEOUT_MS / 1e3
     assert 0.9 * bound <= dt < 2 * bound, f"{dt * 1e3:.1f} ms for a wait bounded by {TIMEOUT_MS} ms"
-    kind, who = (KIND_OFFS, 0) if missing == "offs" else (KIND_BLOCK, block)
+    kind, who, expert = {"offs": (KIND_OFFS, 0, None), "block": (KIND_BLOCK, block, 3), "w1": (KIND_W1, 1, 1)}[missing]
     assert sig[SIG_ERR : SIG_ERR + 5].tolist() == [ERR_FAILED, kind, who, 1, 0]
-    checked = ("hq", "hsT", "out") if missing == "offs" else ("out",)
-    for name, a, b in zip(("hq", "hsT", "out"), poisoned, run.outputs(), strict=True):
-        if name in checked:
+    hq, hsT, out = run.outputs()
+    if expert is None:
+        for name, a, b in zip(("hq", "hsT", "out"), poisoned, (hq, hsT, out), strict=True):
             assert _bits_equal(a, b), f"{name} written after a failed wait: {first_mismatch(a, b)}"
+    else:  # the failed expert's output slots
+        lo = int(layout.offsets[expert])
+        slots = layout.src_slot[lo : lo + RING_COUNTS[expert]].long()
+        assert _bits_equal(out[slots], poisoned[2][slots]), "the failed expert's rows were stored"

@@ -150,7 +150,7 @@ def test_launch_argument_checks_raise_before_any_launch(monkeypatch):
     hsT = torch.zeros(2 * i // 256, r)
     dst, src = lay.src_slot, torch.zeros(r, 3, dtype=torch.int32)
     comb = torch.zeros(1, dtype=torch.int64)
-    ring = RingSync(0, 4, 8, 12, 32, ticket=1, timeout_ns=10**8)
+    ring = RingSync(0, 4, 8, 12, 32, 64, ticket=1, timeout_ns=10**8)
 
     def run_w1(**kw):
         a = dict(x_rows=acts.x_rows, sxT=acts.sxT, route_w=acts.route_w, offsets=lay.offsets, counts=lay.counts)

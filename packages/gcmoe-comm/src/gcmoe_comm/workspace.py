@@ -30,6 +30,9 @@ rank is the whole peer table. Signal words (uint32, start of the buffer; each gr
     BAD      code, token, slot, value of the first invalid routing entry of a call (id outside [0, E): dropped, never
              dereferenced; non-finite weight: kept) — mirrored to the host or read by Workspace.bad_input()
     L1_FULL  per ring block: the generation whose dispatch filled it (W1 acquires it; no reset pass)
+    W1_DONE  after the blocks, two words per ring expert: W1 tiles of the expert finished in the current call (the
+             last one resets it) and the generation whose W1 finished the expert (W2 acquires it, so an expert's W2
+             starts while other experts' W1 still runs; the grouped GEMMs own the protocol, see gcmoe-gemm-sm90)
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gcmoe_core.signals import ERR_WARMUP, KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_READY, KIND_RECV
+from gcmoe_core.signals import ERR_WARMUP, KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_READY, KIND_RECV, KIND_W1
 
 from .ring import RingSpec
 
@@ -54,6 +57,13 @@ SIG_INUSE = 224
 SIG_SEQ = 256
 SIG_BAD = 288  # 4 words
 SIG_L1_FULL = 320
+
+
+def sig_w1_done(spec: RingSpec) -> int:
+    """Word index of the W1_DONE pairs (after the L1_FULL tags of every ring block)."""
+    return SIG_L1_FULL + spec.blocks
+
+
 ERR_WORDS = 5
 ERR_KINDS = {
     KIND_READY: "ready tag (its tokens for this call were never published)",
@@ -62,6 +72,7 @@ ERR_KINDS = {
     KIND_BLOCK: "ring block tag (this rank's dispatch never filled the block)",
     KIND_BUSY: "workspace, held by another call (one layer's workspace used by two calls at once: give each "
     "concurrent stream its own layer call lane, see gcmoe.MoELayer)",
+    KIND_W1: "W1 completion tag (this rank's W1 never finished the expert)",
 }
 BAD_ID, BAD_WEIGHT = 1, 2
 
@@ -83,8 +94,12 @@ def error_message(err: list[int], rank: int, ranks: int) -> str | None:
         want = f"{ranks} arrivals for generation {gen}"
     else:
         want = f"generation {gen}"
-    place = f"block {who} of its own ring" if kind == KIND_BLOCK else f"rank {who}'s"
+    place = f"rank {who}'s"
     if kind == KIND_BLOCK:
+        place = f"block {who} of its own ring"
+    elif kind == KIND_W1:
+        place = f"ring expert {who}"
+    if kind in (KIND_BLOCK, KIND_W1):
         return f"gcmoe-comm rank {rank}: timed out waiting on {place} ({what}): wanted {want}, saw {seen}. {tail}"
     return f"gcmoe-comm rank {rank}: timed out waiting on {place} {what}: wanted {want}, saw {seen}. {tail}"
 
@@ -117,7 +132,7 @@ class WorkspaceLayout:
         if s.hidden % 128:
             raise ValueError(f"WorkspaceLayout: hidden {s.hidden} must be a multiple of 128 (FP8 1x128 scales)")
         sizes = {
-            "signals": (SIG_L1_FULL + s.blocks) * 4,
+            "signals": (SIG_L1_FULL + s.blocks + 2 * s.ring_experts) * 4,
             "pub_x": s.max_tokens * s.hidden,
             "pub_sx": s.max_tokens * (s.hidden // 128) * 4,
             "pub_ids": s.max_tokens * s.slots * 4,
@@ -147,7 +162,7 @@ class WorkspaceLayout:
 class WorkspaceViews:
     """Torch views of one rank's workspace."""
 
-    signals: torch.Tensor  # int32 [SIG_L1_FULL + blocks]
+    signals: torch.Tensor  # int32 [SIG_L1_FULL + blocks + 2 * ring experts]
     pub_x: torch.Tensor  # uint8 [T_max, H]  (FP8 E4M3 bits)
     pub_sx: torch.Tensor  # fp32 [T_max, H/128]
     pub_ids: torch.Tensor  # int32 [T_max, k + S]  (routed slots, then the shared experts' ids E .. E + S - 1)
@@ -165,7 +180,16 @@ class WorkspaceViews:
 
     @property
     def l1_full(self) -> torch.Tensor:
-        return self.signals[SIG_L1_FULL:]
+        return self.signals[SIG_L1_FULL : SIG_L1_FULL + self._blocks]
+
+    @property
+    def w1_done(self) -> torch.Tensor:
+        """int32 [ring experts, 2]: (W1 tiles finished in the current call, generation whose W1 finished)."""
+        return self.signals[SIG_L1_FULL + self._blocks :].view(-1, 2)
+
+    @property
+    def _blocks(self) -> int:
+        return self.signals.numel() - SIG_L1_FULL - 2 * self.ring_counts.numel()
 
     @property
     def sink_row(self) -> int:

@@ -8,4 +8,4 @@ and says each failure in words; the grouped GEMMs only get the words' addresses.
 
 ERR_FAILED = 1
 ERR_WARMUP = 2
-KIND_READY, KIND_RECV, KIND_OFFS, KIND_BLOCK, KIND_BUSY = 1, 2, 3, 4, 5
+KIND_READY, KIND_RECV, KIND_OFFS, KIND_BLOCK, KIND_BUSY, KIND_W1 = 1, 2, 3, 4, 5, 6

@@ -24,6 +24,9 @@ ring       the kernels run beside gcmoe-comm's dispatch on the token ring (the o
            offsets and counts of this call), W1 acquires the L1_FULL tag of every ring block of its expert before
            loading activations, every wait bounded and failing into the workspace's ERR words; W2 skips its stores
            once ERR is set. False: rows prepared beforehand (benchmarks, kernel tests)
+expert_sync  ring mode: W2's CTAs of an expert start once W1 finished that expert (W1's last M tile of the expert
+           releases the workspace's W1_DONE tag of the call) instead of waiting for the whole W1 grid
+           (griddepcontrol.wait): with PDL, W2 runs beside W1's tail
 ring_bm    rows per ring block (gcmoe-comm's BM): the grain of the L1_FULL tags; expert row offsets are multiples
            of it, not of the N tile (the TMA boxes start at any row)
 
@@ -63,6 +66,7 @@ class Sm90Config:
     warpgroups: int = 2
     active_first: bool = True
     ring: bool = False
+    expert_sync: bool = True
     ring_bm: int = 8
 
     def __post_init__(self) -> None:
@@ -122,8 +126,13 @@ def choose_config(
     # experts with at least one row under uniform routing, and each kernel's tiles against the SM slots
     # (a token's top-k are k distinct experts: one token makes exactly k active)
     active = num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** tokens_per_rank)
+    # expert_sync (ring mode): W2 per expert after its W1 tiles instead of after the whole W1 grid: the layer 1.07-1.14x
+    # faster at T = 8-128 on DeepSeek-V3, 1.01-1.14x on V4-Flash, 0.97-0.99x at one token (9 active experts, W1 split
+    # in clusters: little tail to overlap), side by side on the H200, 2026-11-30 (tools/gpu/split_sweep.py --sweep
+    # expert_sync, docs/benchmarks/expert-sync-h200-2026-11-30.md)
     cfg = Sm90Config(
         n_tile=n_tile,
+        expert_sync=tokens_per_rank > 1,
         stages=2,
         prefetch=prefetch,
         occupancy=occupancy,

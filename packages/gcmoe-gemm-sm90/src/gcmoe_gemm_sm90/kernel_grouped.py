@@ -38,8 +38,11 @@ acquires INUSE == ticket (its call holds the workspace), reads g = CGEN + 1 and 
 the ring's offsets and counts of call g) — every wait bounded by timeout_ns and ended early by a non-zero ERR word,
 a failed wait recorded there (gcmoe_core.signals kinds) and the CTA then doing nothing. W1 acquires L1_FULL[b] == g of
 every ring block of its expert after issuing its first weight stages and before its first activation box; W2 reads
-ERR again before its stores and stores nothing once it is set. The words' addresses come by value (sig: INUSE, CGEN,
-OFFS, ERR, L1_FULL), so this package knows nothing of the workspace layout.
+ERR again before its stores and stores nothing once it is set. With cfg.expert_sync, W2 does not wait for the whole
+W1 grid: each W1 M tile of expert e, once stored, adds 1 to W1_DONE[e].count (acq_rel); the expert's last one resets
+the count and releases W1_DONE[e].tag = g; a W2 CTA of expert e acquires that tag (bounded) before its first
+activation box, so with PDL an expert's W2 runs beside the other experts' W1 tail. The words' addresses come by value
+(sig: INUSE, CGEN, OFFS, ERR, L1_FULL, W1_DONE), so this package knows nothing of the workspace layout.
 
 Inputs (see ops.py for how they are made):
     wq     int32 [E*MT*W*8, 128, 4]   prepacked weights (prepack.PackedSm90.data)
@@ -63,7 +66,17 @@ Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
 from functools import cache
 
 from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
-from gcmoe_core.device_ops import ld_acquire_u32, ld_u32, record_error, st_bf16, wait_until_eq
+from gcmoe_core.device_ops import (
+    atom_add_u32,
+    fence_gpu,
+    ld_acquire_u32,
+    ld_u32,
+    record_error,
+    st_bf16,
+    st_release_u32,
+    st_u32,
+    wait_until_eq,
+)
 from gcmoe_core.kernel_helpers import (
     bits_to_f32,
     bulk_copy_g2s,
@@ -73,7 +86,7 @@ from gcmoe_core.kernel_helpers import (
     ld_cluster_u32,
     st_cluster_f32,
 )
-from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS
+from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_W1
 
 from .config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement
 from .decode_ptx import DECODE8_SPLIT_SIGN_PTX
@@ -91,7 +104,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
 Int32, Int64, Float32 = cutlass.Int32, cutlass.Int64, cutlass.Float32
 WINDOW_K = 128
 TILE_M = 256
-SIG_WORDS = 5  # the ring-mode signal addresses: INUSE, CGEN, OFFS, ERR, L1_FULL
+SIG_WORDS = 6  # the ring-mode signal addresses: INUSE, CGEN, OFFS, ERR, L1_FULL, W1_DONE
 
 
 class GroupedGemmSm90:
@@ -112,6 +125,7 @@ class GroupedGemmSm90:
         self.wgs = cfg.warpgroups  # 2: each warpgroup two 64-row subtiles; 4: one each (half the registers per thread)
         self.subs = 4 // self.wgs  # subtiles per warpgroup
         self.threads = 128 * self.wgs
+        self.expert_sync = cfg.ring and cfg.expert_sync  # W1_DONE tags per expert instead of W2's grid-wide wait
 
     @cute.jit
     def __call__(
@@ -156,7 +170,7 @@ class GroupedGemmSm90:
         class Shared:
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             lut: cute.struct.MemRange[Int32, 32]
-            flag: cute.struct.MemRange[Int32, 4]
+            flag: cute.struct.MemRange[Int32, 8]
             red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
             ssx: cute.struct.MemRange[Float32, self.windows * self.n if self.cfg.smem_scales else 1]
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
@@ -233,7 +247,7 @@ class GroupedGemmSm90:
         smem = utils.SmemAllocator()
         st = smem.allocate(self.shared)
         slut = st.lut.get_tensor(cute.make_layout(32))
-        sflag = st.flag.get_tensor(cute.make_layout(4))
+        sflag = st.flag.get_tensor(cute.make_layout(8))
         sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]
         ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1)) if self.cfg.smem_scales else cute.make_layout(1)
         ssx = st.ssx.get_tensor(ssx_layout)  # [window, token column] of the current N tile
@@ -260,6 +274,14 @@ class GroupedGemmSm90:
             count = cnt[e]
             row_base = offs[e]
         n_tiles = (count + n_tile - 1) // n_tile
+        if cutlass.const_expr(self.expert_sync and self.is_w1):
+            if tidx == 0:  # for release_expert after the tiles (kept in shared memory, not in registers over the loop)
+                sflag[2] = e
+                sflag[3] = count
+                if ks != 0:  # the cluster's leader counts the M tile (K splits)
+                    sflag[3] = Int32(0)
+                sflag[4] = Int32(sig[5] & 0xFFFFFFFF)
+                sflag[5] = Int32(sig[5] >> 32)
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom)
@@ -338,8 +360,11 @@ class GroupedGemmSm90:
                 if i < total:
                     self.produce_weights(pipe, pre, i, w_src, s_src, w_dst, s_dst)
                     pre.advance()
-        if cutlass.const_expr(self.cfg.pdl and not self.is_w1):
+        if cutlass.const_expr(self.expert_sync and not self.is_w1):
+            self.acquire_expert(sig, gen, timeout_ns, e, count, tidx)
+        elif cutlass.const_expr(self.cfg.pdl and not self.is_w1):
             cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.cfg.pdl and not self.is_w1):
             cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.cfg.ring and self.is_w1):
             self.acquire_blocks(sig, gen, timeout_ns, row_base, count, tidx)
@@ -455,6 +480,8 @@ class GroupedGemmSm90:
                 if nt + 1 < n_tiles:  # the leader has read this tile's partials before they are pushed again
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
+        if cutlass.const_expr(self.expert_sync and self.is_w1):
+            self.release_expert(sig, sflag, tidx)
 
     @cute.jit
     def acquire_ring(self, sig: tuple, ticket: Int32, timeout_ns: Int64, sflag: cute.Tensor, tidx: Int32, ks: Int32):
@@ -509,6 +536,38 @@ class GroupedGemmSm90:
             if seen != gen:
                 record_error(err, KIND_BLOCK, first + i, gen, seen)
         cute.arch.barrier()
+
+    @cute.jit
+    def release_expert(self, sig: tuple, sflag: cute.Tensor, tidx: Int32):
+        """Ring mode with expert_sync, W1: once this CTA's tiles of expert e are stored (every N tile), count the M tile
+        as done in W1_DONE[e]; the expert's last M tile resets the count and releases the tag W1_DONE[e] = g that
+        its W2 CTAs acquire. The epilogue's FP8 rows were written by the generic proxy and W2 reads them by TMA (the
+        async proxy): every writer fences the proxies before the barrier that precedes the release. A CTA without
+        rows (count 0, or a failed acquire) counts nothing: no W2 CTA of that expert waits. Thread 0 left g, e and the
+        count (0 on the other CTAs of a K-split cluster) in sflag[1..3], the W1_DONE address in sflag[4..5]."""
+        cute.arch.fence_proxy("async.global")
+        cute.arch.barrier()
+        if tidx == 0 and sflag[3] > 0:
+            gen = sflag[1]
+            base = (Int64(sflag[5]) << 32) | (Int64(sflag[4]) & 0xFFFFFFFF)
+            done = base + Int64(2 * sflag[2]) * 4
+            fence_gpu()
+            # acq_rel: the RMWs on one word form a release sequence, so the last one sees every earlier M tile's rows
+            if atom_add_u32(done, 1, "acq_rel", "gpu") == self.m_tiles - 1:
+                st_u32(done, 0)  # ordered before the tag: the next call's W1 counts from 0 again
+                st_release_u32(done + 4, gen, "gpu")
+
+    @cute.jit
+    def acquire_expert(self, sig: tuple, gen: Int32, timeout_ns: Int64, e: Int32, count: Int32, tidx: Int32):
+        """Ring mode with expert_sync, W2: wait (bounded, failing into ERR) until W1 finished expert e in call g
+        (W1_DONE[e] tag == g), then order this CTA's later TMA loads (async proxy) after that acquire. Replaces the
+        grid-wide griddepcontrol.wait: an expert's W2 starts while other experts' W1 tiles still run."""
+        if tidx == 0 and count > 0:
+            seen = wait_until_eq(sig[5] + Int64(2 * e + 1) * 4, gen, timeout_ns, "gpu", sig[3])
+            if seen != gen:
+                record_error(sig[3], KIND_W1, e, gen, seen)
+        cute.arch.barrier()
+        cute.arch.fence_proxy("async.global")
 
     @cute.jit
     def active_expert(self, cnt: cute.Tensor, j: Int32, num_experts: Int32, lane: Int32) -> Int32:
@@ -572,7 +631,14 @@ class GroupedGemmSm90:
             stage = prod.index
             w_off = cutlass.Int64(it_w) * WINDOW_WEIGHT_BYTES
             s_off = cutlass.Int64(it_w) * WINDOW_SCALE_BYTES
+            # racecheck-ordered: racecheck reports these bulk copies (a write by this thread) against the consumers'
+            # reads of the stage in load_window_smem (WAR, the stage's previous window). Ordered by the stage's empty
+            # mbarrier: every consumer warp arrives (consumer_release, release semantics) only after its reads, and
+            # producer_acquire waits on that barrier (try_wait, acquire) before this copy is issued; the RAW side by
+            # the full mbarrier the copy completes (complete_tx) and consumer_wait waits on. racecheck does not model
+            # mbarriers (memcheck / synccheck are clean, values exact in every test)
             bulk_copy_g2s(w_dst + stage * WINDOW_WEIGHT_BYTES, w_src + w_off, WINDOW_WEIGHT_BYTES, bar)
+            # racecheck-ordered: as above (the stage's empty / full mbarriers)
             bulk_copy_g2s(s_dst + stage * WINDOW_SCALE_BYTES, s_src + s_off, WINDOW_SCALE_BYTES, bar)
 
     @cute.jit
@@ -654,8 +720,10 @@ class GroupedGemmSm90:
         subtiles sb, sb + 1 (2 warpgroups: sb = 0) or sb (4 warpgroups) of the warpgroup's rows."""
         for s in cutlass.range_constexpr(self.subs):
             for h in cutlass.range_constexpr(2):
+                # racecheck-ordered: after consumer_wait (full mbarrier), before consumer_release (produce_weights)
                 cute.autovec_copy(sW[None, tw, wg * 4 + (sb + s) * 2 + h, stage], abuf[None, h, s, slot])
             for u in cutlass.range_constexpr(2):
+                # racecheck-ordered: as the weights above
                 sbuf[u, s, slot] = sS[srow0 + 64 * (sb + s) + 8 * u, stage]
 
     @cute.jit

@@ -29,14 +29,16 @@ from .prepack import PackedSm90, lut_words, prepack_sm90
 
 @dataclass(frozen=True)
 class RingSync:
-    """What the kernels' ring mode waits on (addresses of the workspace's INUSE, CGEN, OFFS, ERR words and L1_FULL
-    array), the call's ticket and the bound on each wait in ns."""
+    """What the kernels' ring mode waits on (addresses of the workspace's INUSE, CGEN, OFFS, ERR words, L1_FULL
+    array and W1_DONE pairs: int32 [ring experts, 2], zeroed with the signals), the call's ticket and the bound on
+    each wait in ns."""
 
     inuse: int
     cgen: int
     offs: int
     err: int
     l1_full: int
+    w1_done: int
     ticket: int
     timeout_ns: int
 
@@ -71,7 +73,7 @@ def _launch(mode, packed: PackedSm90, x_rows, sxT, offsets, counts, ep, cfg: Sm9
     if ring is None:
         sig, ticket, timeout = tuple(i64(0) for _ in range(SIG_WORDS)), 0, 0
     else:
-        sig = tuple(i64(a) for a in (ring.inuse, ring.cgen, ring.offs, ring.err, ring.l1_full))
+        sig = tuple(i64(a) for a in (ring.inuse, ring.cgen, ring.offs, ring.err, ring.l1_full, ring.w1_done))
         ticket, timeout = ring.ticket, ring.timeout_ns
     kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
     wq = packed.data.view(torch.int32).view(-1, 128, 4)

@@ -242,7 +242,7 @@ class Lane:
 
     # -- kernels
     def _ring_sync(self, ticket: int):
-        from gcmoe_comm.workspace import SIG_CGEN, SIG_ERR, SIG_INUSE, SIG_L1_FULL, SIG_OFFS
+        from gcmoe_comm.workspace import SIG_CGEN, SIG_ERR, SIG_INUSE, SIG_L1_FULL, SIG_OFFS, sig_w1_done
         from gcmoe_gemm_sm90.ops import RingSync
 
         base = self.ws.base
@@ -254,6 +254,7 @@ class Lane:
             base + 4 * SIG_OFFS,
             base + 4 * SIG_ERR,
             base + 4 * SIG_L1_FULL,
+            base + 4 * sig_w1_done(self.ws.spec),
             ticket,
             2 * self.comm.timeout_ns,
         )
