@@ -45,7 +45,10 @@ for model in args.models:
                 for sp in [chosen.splits, (1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]
             }
         else:
-            variants = {"chosen": chosen, "grid_wait": replace(chosen, expert_sync=False)}
+            variants = {
+                "expert_sync": replace(chosen, expert_sync=True),
+                "grid_wait": replace(chosen, expert_sync=False),
+            }
         for name, kcfg in variants.items():
             sp = kcfg.splits
             if any(can_implement(m, k, 1, kcfg, splits=s) for (m, k), s in zip(((2 * i, h), (h, i)), sp)):

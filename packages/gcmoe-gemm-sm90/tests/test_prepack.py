@@ -112,6 +112,12 @@ def test_k_splits_stages_and_shared_memory():
     for t in (1, 8, 32, 128, 256):  # every chosen configuration fits its occupancy's shared memory
         c = choose_config(t, 8, 32, 7168, 2048)
         assert smem_bytes(c, 7168, max(c.splits)) <= smem_limit(c.occupancy) and 2 <= c.stages <= 8
+    # W2 per expert after its W1 tiles (ring mode) exactly where W1 runs unsplit (measured: K-split W1 loses with it)
+    for t in (1, 2, 4, 8, 128):
+        for h, k in ((7168, 8), (4096, 6)):
+            c = choose_config(t, k, 32, h, 2048, 132, 1)
+            assert c.expert_sync == (c.splits[0] == 1)
+    assert not one.expert_sync and choose_config(8, 8, 32, 7168, 2048).expert_sync
     four = with_splits(one, (4, 4), 7168, 2048)  # more partial buffers in the leader: fewer stages
     assert four.stages < one.stages
     assert "K splits" in can_implement(7168, 1536, 20, Sm90Config(prefetch=2), splits=4)  # 12 windows, 2 x 4

@@ -126,13 +126,8 @@ def choose_config(
     # experts with at least one row under uniform routing, and each kernel's tiles against the SM slots
     # (a token's top-k are k distinct experts: one token makes exactly k active)
     active = num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** tokens_per_rank)
-    # expert_sync (ring mode): W2 per expert after its W1 tiles instead of after the whole W1 grid: the layer 1.07-1.14x
-    # faster at T = 8-128 on DeepSeek-V3, 1.01-1.14x on V4-Flash, 0.97-0.99x at one token (9 active experts, W1 split
-    # in clusters: little tail to overlap), side by side on the H200, 2026-11-30 (tools/gpu/split_sweep.py --sweep
-    # expert_sync, docs/benchmarks/expert-sync-h200-2026-11-30.md)
     cfg = Sm90Config(
         n_tile=n_tile,
-        expert_sync=tokens_per_rank > 1,
         stages=2,
         prefetch=prefetch,
         occupancy=occupancy,
@@ -157,6 +152,11 @@ def choose_config(
     for (m, k), sp in zip(((2 * inter, hidden), (hidden, inter)), want):
         ok = [s for s in (1, 2, 4) if can_implement(m, k, num_experts, cfg, splits=s) is None]
         splits.append(sp if sp in ok else ok[0])
+    # expert_sync (ring mode): W2 per expert after its W1 tiles instead of after the whole W1 grid wherever W1 runs
+    # unsplit: the layer 1.07-1.15x faster at T = 4-128 on DeepSeek-V3, 1.01-1.14x on V4-Flash at T = 2-128;
+    # 0.965-0.988x where W1 runs in K-split clusters (both models at T = 1, V3 at T = 2), side by side on the H200,
+    # 2026-11-30 (tools/gpu/split_sweep.py --sweep expert_sync, docs/benchmarks/expert-sync-h200-2026-11-30.md)
+    cfg = replace(cfg, expert_sync=splits[0] == 1)
     return with_splits(cfg, (splits[0], splits[1]), hidden, inter)
 
 
