@@ -1,7 +1,7 @@
 """Kernel configurations of the layer side by side (run on the GPU): the public call captured in a CUDA graph with the
 chosen kernel configuration and with variants of it forced, interleaved, cold L2, medians.
 
-    --sweep splits       every other (W1, W2) K split (at small T)
+    --sweep splits       other (W1, W2) K splits (at small T; each with expert_sync where its W1 is unsplit)
     --sweep expert_sync  W2 per expert after its W1 tiles (W1_DONE tags) vs after the whole W1 grid
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2] [--out DIR]
@@ -23,6 +23,7 @@ from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--sweep", choices=("splits", "expert_sync"), default="splits")
+ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
 ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2])
 ap.add_argument("--iters", type=int, default=20)
@@ -42,7 +43,7 @@ for model in args.models:
         if args.sweep == "splits":
             variants = {
                 "chosen" if sp is chosen.splits else f"split{sp[0]}{sp[1]}": with_splits(chosen, sp, h, i)
-                for sp in [chosen.splits, (1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]
+                for sp in [chosen.splits, *(divmod(int(x), 10) for x in args.splits)]
             }
         else:
             variants = {

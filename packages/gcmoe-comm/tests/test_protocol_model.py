@@ -1,6 +1,8 @@
 """The ring / counter / parity protocol, explored exhaustively for small configurations and randomly beyond; and
 proof that the explorer catches seeded bugs (so a clean report means something)."""
 
+from dataclasses import replace
+
 import pytest
 
 from gcmoe_comm.protocol_model import Config, Variant, explore, random_walks
@@ -50,3 +52,77 @@ def test_explorer_catches_seeded_bugs(variant, message):
 
 def test_single_counter_is_safe_under_the_routing_handshake():
     assert explore(Config(ranks=3, blocks=1, generations=3, variant=Variant(single_recv_counter=True))).ok
+
+
+# The W1 -> W2 handoff per expert (W1_DONE count + tag); W2 of an expert runs beside the other experts' W1 tiles.
+EXPERTS = [
+    Config(ranks=1, blocks=1, generations=3, experts=2, m_tiles=2),
+    Config(ranks=1, blocks=1, generations=3, experts=1, m_tiles=3),
+    Config(ranks=2, blocks=1, generations=2, experts=2, m_tiles=2),
+    Config(ranks=2, blocks=1, generations=3, experts=1, m_tiles=2),
+    Config(ranks=1, blocks=1, generations=3, experts=2, m_tiles=2, w1_tail_overlap=True),
+    Config(ranks=2, blocks=1, generations=3, experts=1, m_tiles=2, w1_tail_overlap=True),
+]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    EXPERTS,
+    ids=lambda c: f"P{c.ranks}-E{c.experts}-M{c.m_tiles}-G{c.generations}" + ("-overlap" * c.w1_tail_overlap),
+)
+def test_expert_handoff_exhaustive(cfg):
+    rep = explore(cfg)
+    assert rep.ok, (rep.deadlocks, rep.violations)
+
+
+EXPERT_BUG_CONFIGS = [
+    Config(ranks=1, blocks=1, generations=3, experts=2, m_tiles=2),
+    Config(ranks=2, blocks=1, generations=2, experts=1, m_tiles=2),
+]
+
+
+@pytest.mark.parametrize(
+    ("variant", "message"),
+    [
+        (Variant(w2_accept_stale_w1_tag=True), "W1 rows of M tile 0 holding generation 1"),
+        (Variant(w1_tag_every_tile=True), "W1 rows of M tile 0 holding generation 0"),
+    ],
+    ids=["w2-stale-w1-tag", "w1-tag-every-tile"],
+)
+@pytest.mark.parametrize("cfg", EXPERT_BUG_CONFIGS, ids=["P1-E2", "P2-E1"])
+def test_explorer_catches_seeded_expert_bugs(cfg, variant, message):
+    rep = explore(replace(cfg, variant=variant))
+    assert rep.violations and "W2 of expert" in rep.violations[0] and message in rep.violations[0], rep
+
+
+@pytest.mark.parametrize("cfg", EXPERT_BUG_CONFIGS, ids=["P1-E2", "P2-E1"])
+def test_tag_before_reset_is_safe_under_the_stream_order(cfg):
+    # the next call's W1 tiles start only after every tile of this call retired, so the order of the two stores of
+    # the expert's last tile does not matter there
+    variant = Variant(w1_tag_before_reset=True)
+    assert explore(replace(cfg, variant=variant)).ok
+
+
+@pytest.mark.parametrize("cfg", EXPERT_BUG_CONFIGS, ids=["P1-E2", "P2-E1"])
+def test_tag_before_reset_breaks_once_w1_tails_overlap_the_next_call(cfg):
+    variant = Variant(w1_tag_before_reset=True)
+    rep = explore(replace(cfg, w1_tail_overlap=True, variant=variant))
+    assert rep.violations and "count holds 2 before M tile" in rep.violations[0], rep
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        Config(ranks=2, blocks=2, generations=3),
+        Config(ranks=2, blocks=1, generations=3, experts=1, m_tiles=2, w1_tail_overlap=True),
+        Config(ranks=2, blocks=2, generations=3, variant=Variant(signal_first=True)),
+        Config(ranks=2, blocks=1, generations=2, experts=1, m_tiles=2, variant=Variant(w2_accept_stale_w1_tag=True)),
+        Config(ranks=2, blocks=1, generations=2, w1_tail_overlap=True, variant=Variant(w1_tag_every_tile=True)),
+        Config(ranks=2, blocks=1, generations=2, w1_tail_overlap=True, variant=Variant(w1_tag_before_reset=True)),
+    ],
+    ids=["shipped", "shipped-overlap", "signal-early", "w2-stale-w1-tag", "w1-tag-every-tile", "tag-before-reset"],
+)
+def test_reduction_keeps_the_verdict(cfg):
+    full, reduced = explore(cfg, reduce=False), explore(cfg)
+    assert (bool(full.deadlocks), bool(full.violations)) == (bool(reduced.deadlocks), bool(reduced.violations))
+    assert reduced.states <= full.states

@@ -13,6 +13,11 @@ with each other: there is no trailing cross-rank barrier):
     done         dispatch_done[r] = g
   compute (compute partition, concurrent with dispatch)
     block b      wait full[r][b] == g (acquire; a stale tag g-1 is never accepted) ; consume (check ring_gen == g)
+    experts      W1 tiles and W2 of every expert e, all concurrent (W2 does not wait for the whole W1 grid):
+      W1 e, m    store rows (w1_rows[r][e][m] = g) ; old = atomic_add(count[e], 1) (acq_rel)  for each M tile m
+                 if old == M - 1 (last of M tiles): count[e] = 0 ; tag[e] = g (release)  (count, tag: W1_DONE[e])
+      W2 e       wait tag[e] == g (acquire; the last call's tag g-1 is never accepted) ; read e's W1 rows
+                 (check w1_rows[r][e][m] == g for every m)
     scatter q    wait dispatch_done[r] == g ; combine_gen[q][r] = g (W2 rows into q's combine buffer) ;
                  recv[q][g % 2] += 1 (release)                          for each rank q
   finalize (compute partition, after compute)
@@ -24,16 +29,23 @@ pulling r's payload of g, and r overwrites that payload (g + 1) only after its f
 A fast peer's signal for g + 1 lands in the other parity slot, so r's reset of slot g % 2 cannot erase it; its
 signal for g + 2 needs r's signal for g + 1, sent after r's reset.
 
+The model runs the blocks before the experts step (the W1 tiles' ring-block acquires touch no W1_DONE word).
+W1_DONE needs no reset between calls: the tile that saw count M - 1 resets it before it releases the tag, and W2
+acquires the tag, so the reset precedes the next call's adds even if that call could start while this call's W1
+tiles retire (Config.w1_tail_overlap). W2 accepts only tag == g, so the last call's tag never passes.
+
 `explore(...)` runs every interleaving (memoised DFS over states) and reports deadlocks and violations of: payload
 read of the wrong generation, a ring block consumed twice / never / with the wrong generation, a combine row of the
-wrong generation, a lost receive-counter increment. `Variant` flags seed known bugs so tests prove the explorer
-catches them.
+wrong generation, a lost receive-counter increment, a W2 read of W1 rows of another generation or before every M
+tile of the expert stored them, a W1_DONE count not back to 0 after a call (or already at M before a tile's add).
+`Variant` flags seed known bugs so tests prove the explorer catches them.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,15 @@ class Variant:
     # generation of each other; the explorer proves the single counter safe. We keep the parity slots so the
     # protocol stays correct if that handshake is ever narrowed (e.g. senders pushing counts).
     single_recv_counter: bool = False
+    # Not a bug under the stream rule (a rank's call g + 1 starts only after every W1 tile of call g retired): the
+    # expert's last W1 tile releases W1_DONE[e].tag before it stores count = 0. Nothing reads or adds to the count
+    # between the two stores in the same call, and the next call's tiles come after both; the explorer proves it
+    # safe. It is a bug once the next call may start while a W1 tile's steps after its tag are pending
+    # (Config.w1_tail_overlap): a tile of call g + 1 then adds to the unreset count, or the late reset erases its
+    # add. The shipped order (reset, then tag) is safe either way: W2 acquires the tag, so the reset is done first.
+    w1_tag_before_reset: bool = False
+    w2_accept_stale_w1_tag: bool = False  # W2 waits W1_DONE[e].tag >= 1 instead of == g (last call's tag passes)
+    w1_tag_every_tile: bool = False  # every W1 tile of e releases W1_DONE[e].tag, not only the last one
 
 
 @dataclass(frozen=True)
@@ -55,13 +76,32 @@ class Config:
     ranks: int = 2
     blocks: int = 2  # ring blocks each rank receives per generation (block b pulled from rank b % P)
     generations: int = 2
+    experts: int = 1  # experts of each rank's W1 / W2 (all with rows: an empty expert's tiles and W2 skip W1_DONE)
+    m_tiles: int = 2  # W1 M tiles per expert (the count W1_DONE[e] reaches per generation)
+    # A weaker stream rule: a rank's next generation may start once this generation's W2 work finished, with W1
+    # tiles' steps after their own tag still pending (they finish later, concurrently with the next generation).
+    w1_tail_overlap: bool = False
     variant: Variant = field(default_factory=Variant)
 
 
-# Program counters per rank: (gen, dispatch_pc, compute_pc, finalize_pc). gen = current generation (1-based),
-# gen > generations means the rank is finished.
+class _Rank(NamedTuple):
+    """Program counters of one rank. gen = current generation (1-based), gen > generations: the rank is finished."""
+
+    gen: int
+    dpc: int  # dispatch
+    cpc: int  # compute: blocks, the experts step, scatters (see _compute_step)
+    fpc: int  # finalize
+    w1: tuple  # [e][m]: None (not started) or the tile's steps still to run after its add ((): retired)
+    w2: tuple  # [e]: W2 of expert e done
+    late: tuple  # (e, gen, steps) of W1 tiles of earlier generations still running (Config.w1_tail_overlap)
+
+
+def _rank(cfg: Config, g: int) -> _Rank:
+    return _Rank(g, 0, 0, 0, ((None,) * cfg.m_tiles,) * cfg.experts, (False,) * cfg.experts, ())
+
+
 def _initial(cfg: Config):
-    p, b = cfg.ranks, cfg.blocks
+    p, b, ne = cfg.ranks, cfg.blocks, cfg.experts
     shared = {
         "ready": (0,) * p,
         "payload_gen": (0,) * p,
@@ -73,8 +113,11 @@ def _initial(cfg: Config):
         "combine_gen": ((0,) * p,) * p,
         "signals": ((0,) * (cfg.generations + 2),) * p,  # increments ever sent to rank r per generation
         "seen": ((0,) * (cfg.generations + 2),) * p,  # increments rank r accounted for per generation
+        "w1_count": ((0,) * ne,) * p,  # W1_DONE[e].count of rank r
+        "w1_tag": ((0,) * ne,) * p,  # W1_DONE[e].tag of rank r
+        "w1_rows": (((0,) * cfg.m_tiles,) * ne,) * p,  # generation of W1's output rows of M tile m of expert e
     }
-    pcs = tuple((1, 0, 0, 0) for _ in range(p))
+    pcs = tuple(_rank(cfg, 1) for _ in range(p))
     return pcs, tuple(sorted(shared.items()))
 
 
@@ -86,6 +129,10 @@ def _set2(t: tuple, i: int, j: int, v) -> tuple:
     return _set(t, i, _set(t[i], j, v))
 
 
+def _set3(t: tuple, i: int, j: int, k: int, v) -> tuple:
+    return _set(t, i, _set2(t[i], j, k, v))
+
+
 class Violation(Exception):
     pass
 
@@ -95,20 +142,105 @@ def _dispatch_steps(cfg: Config) -> int:
 
 
 def _compute_steps(cfg: Config) -> int:
-    return cfg.blocks + cfg.ranks
+    return cfg.blocks + 1 + cfg.ranks  # blocks, the experts step (W1 tiles and W2, concurrent), scatters
+
+
+def _compute_step(cfg: Config, cpc: int) -> tuple[str, int]:
+    """("block", b), ("experts", 0) or ("scatter", q); signal_first runs the scatters first."""
+    nb, p = cfg.blocks, cfg.ranks
+    if cfg.variant.signal_first:
+        cpc = (cpc + nb + 1) % (nb + 1 + p)
+    if cpc < nb:
+        return "block", cpc
+    if cpc == nb:
+        return "experts", 0
+    return "scatter", cpc - nb - 1
 
 
 def _slot(cfg: Config, g: int) -> int:
     return 0 if cfg.variant.single_recv_counter else g % 2
 
 
+def _w1_step(n: dict, r: int, e: int, g: int, step: str) -> None:
+    """One step a W1 tile runs after its add: store count = 0, or release the tag of generation g."""
+    if step == "reset":
+        n["w1_count"] = _set2(n["w1_count"], r, e, 0)
+    else:
+        n["w1_tag"] = _set2(n["w1_tag"], r, e, g)
+
+
+def _expert_moves(cfg: Config, r: int, rk: _Rank, s: dict):
+    """W1 tiles and W2 of rank r's experts step (concurrent), and the step that ends it."""
+    g, v, mt = rk.gen, cfg.variant, cfg.m_tiles
+    for e in range(cfg.experts):
+        for m in range(mt):
+            tile = rk.w1[e][m]
+            n = dict(s)
+            if tile is None:  # store the rows, then the acq_rel add (one step: W2 reads the rows after a tag)
+                old = s["w1_count"][r][e]
+                if old >= mt:
+                    raise Violation(f"rank {r} gen {g}: W1_DONE[{e}].count holds {old} before M tile {m} adds")
+                n["w1_rows"] = _set3(s["w1_rows"], r, e, m, g)
+                n["w1_count"] = _set2(s["w1_count"], r, e, old + 1)
+                if old == mt - 1:
+                    tile = ("tag", "reset") if v.w1_tag_before_reset else ("reset", "tag")
+                else:
+                    tile = ("tag",) if v.w1_tag_every_tile else ()
+                desc = f"w1e{e}m{m}:add"
+            elif tile:
+                _w1_step(n, r, e, g, tile[0])
+                desc, tile = f"w1e{e}m{m}:{tile[0]}", tile[1:]
+            else:
+                continue
+            w1 = _set2(rk.w1, e, m, tile)
+            yield f"r{r}g{g}:{desc}", rk._replace(w1=w1), n
+        if not rk.w2[e]:
+            tag = s["w1_tag"][r][e]
+            if tag >= 1 if v.w2_accept_stale_w1_tag else tag == g:
+                # acquire, then read the rows (one step: the next generation's W1 comes after this W2 on the stream)
+                for m in range(mt):
+                    if s["w1_rows"][r][e][m] != g:
+                        raise Violation(
+                            f"rank {r} gen {g}: W2 of expert {e} read W1 rows of M tile {m} holding generation "
+                            f"{s['w1_rows'][r][e][m]}"
+                        )
+                yield f"r{r}g{g}:w2e{e}", rk._replace(w2=_set(rk.w2, e, True)), dict(s)
+    # the step ends once every W2 ran and every W1 tile retired (w1_tail_overlap: added; the rest runs late)
+    tiles = [t for row in rk.w1 for t in row]
+    if all(rk.w2) and all(t is not None and (cfg.w1_tail_overlap or not t) for t in tiles):
+        late = rk.late
+        for e in range(cfg.experts):
+            late += tuple((e, g, t) for t in rk.w1[e] if t)
+        for e in range(cfg.experts):
+            if s["w1_count"][r][e] != 0 and not any(x[0] == e for x in late):
+                raise Violation(f"rank {r} gen {g}: W1_DONE[{e}].count holds {s['w1_count'][r][e]} after the call")
+        fresh = _rank(cfg, g)
+        nrk = rk._replace(cpc=rk.cpc + 1, w1=fresh.w1, w2=fresh.w2, late=tuple(sorted(late)))
+        yield f"r{r}g{g}:experts-done", nrk, dict(s)
+
+
+def _at_experts(cfg: Config, rk: _Rank) -> bool:
+    return rk.gen <= cfg.generations and rk.cpc < _compute_steps(cfg) and _compute_step(cfg, rk.cpc)[0] == "experts"
+
+
 def _moves(cfg: Config, pcs, shared):
-    """Yield (description, new_pcs, new_shared) for every enabled step; raise Violation on a bad read."""
+    """Yield (description, new_pcs, new_shared, local) for every enabled step; raise Violation on a bad read. local is
+    r for the steps of rank r's W1 tiles, W2 and late W1 tiles while its compute is at the experts step (see _expand),
+    else -1."""
     s = dict(shared)
     p, nb = cfg.ranks, cfg.blocks
     v = cfg.variant
     for r in range(p):
-        g, dpc, cpc, fpc = pcs[r]
+        rk = pcs[r]
+        g, dpc, cpc, fpc = rk.gen, rk.dpc, rk.cpc, rk.fpc
+        local = r if _at_experts(cfg, rk) else -1
+        # ---- W1 tiles of earlier generations still running (w1_tail_overlap)
+        for i, (e, lg, steps) in enumerate(rk.late):
+            n = dict(s)
+            _w1_step(n, r, e, lg, steps[0])
+            late = rk.late[:i] + rk.late[i + 1 :] if len(steps) == 1 else _set(rk.late, i, (e, lg, steps[1:]))
+            nrk = rk._replace(late=tuple(sorted(late)))
+            yield f"r{r}g{lg}:w1e{e}:late-{steps[0]}", _set(pcs, r, nrk), tuple(sorted(n.items())), local
         if g > cfg.generations:
             continue
         # ---- dispatch
@@ -138,32 +270,35 @@ def _moves(cfg: Config, pcs, shared):
             else:
                 n["dispatch_done"] = _set(s["dispatch_done"], r, g)
             if ok:
-                yield f"r{r}g{g}:dispatch{dpc}", _set(pcs, r, (g, dpc + 1, cpc, fpc)), tuple(sorted(n.items()))
+                nrk = rk._replace(dpc=dpc + 1)
+                yield f"r{r}g{g}:dispatch{dpc}", _set(pcs, r, nrk), tuple(sorted(n.items())), -1
         # ---- compute
         if cpc < _compute_steps(cfg):
+            kind, i = _compute_step(cfg, cpc)
+            if kind == "experts":
+                for desc, nrk, n in _expert_moves(cfg, r, rk, s):
+                    yield desc, _set(pcs, r, nrk), tuple(sorted(n.items())), r
+                continue
             n = dict(s)
-            ok = True
-            step = (cpc + p) % (nb + p) if v.signal_first else cpc  # signal_first: scatter steps come first
-            if step < nb:
-                b = step
-                tag = s["full"][r][b]
+            if kind == "block":
+                tag = s["full"][r][i]
                 ok = tag >= 1 if v.accept_stale_tags else tag == g
                 if ok:
-                    if s["ring_gen"][r][b] != g:
+                    if s["ring_gen"][r][i] != g:
                         raise Violation(
-                            f"rank {r} gen {g}: consumed ring block {b} holding generation {s['ring_gen'][r][b]}"
+                            f"rank {r} gen {g}: consumed ring block {i} holding generation {s['ring_gen'][r][i]}"
                         )
-                    n["consumed"] = _set2(s["consumed"], r, b, s["consumed"][r][b] + 1)
+                    n["consumed"] = _set2(s["consumed"], r, i, s["consumed"][r][i] + 1)
             else:
-                q = step - nb
                 ok = v.signal_first or s["dispatch_done"][r] == g
                 if ok:
-                    n["combine_gen"] = _set2(s["combine_gen"], q, r, g)
+                    n["combine_gen"] = _set2(s["combine_gen"], i, r, g)
                     slot = _slot(cfg, g)
-                    n["recv"] = _set2(s["recv"], q, slot, s["recv"][q][slot] + 1)
-                    n["signals"] = _set2(s["signals"], q, g, s["signals"][q][g] + 1)
+                    n["recv"] = _set2(s["recv"], i, slot, s["recv"][i][slot] + 1)
+                    n["signals"] = _set2(s["signals"], i, g, s["signals"][i][g] + 1)
             if ok:
-                yield f"r{r}g{g}:compute{cpc}", _set(pcs, r, (g, dpc, cpc + 1, fpc)), tuple(sorted(n.items()))
+                nrk = rk._replace(cpc=cpc + 1)
+                yield f"r{r}g{g}:compute{cpc}", _set(pcs, r, nrk), tuple(sorted(n.items())), -1
         # ---- finalize (after compute on the same stream)
         elif fpc == 0:
             slot = _slot(cfg, g)
@@ -185,11 +320,12 @@ def _moves(cfg: Config, pcs, shared):
                         raise Violation(f"rank {r} gen {g}: ring block {b} consumed {s['consumed'][r][b]} times")
                 n["consumed"] = _set(s["consumed"], r, (0,) * nb)
                 # the generation ends; the next replay's roles start from the top
-                yield f"r{r}g{g}:finalize", _set(pcs, r, (g + 1, 0, 0, 0)), tuple(sorted(n.items()))
+                nrk = _rank(cfg, g + 1)._replace(late=rk.late)
+                yield f"r{r}g{g}:finalize", _set(pcs, r, nrk), tuple(sorted(n.items())), -1
 
 
 def _done(cfg: Config, pcs) -> bool:
-    return all(pc[0] > cfg.generations for pc in pcs)
+    return all(rk.gen > cfg.generations and not rk.late for rk in pcs)
 
 
 def _check_final(cfg: Config, shared) -> None:
@@ -198,19 +334,35 @@ def _check_final(cfg: Config, shared) -> None:
         for g in range(1, cfg.generations + 1):
             if s["signals"][r][g] != s["seen"][r][g]:
                 raise Violation(f"rank {r} gen {g}: {s['signals'][r][g]} signals sent, {s['seen'][r][g]} accounted")
+        for e in range(cfg.experts):
+            if s["w1_count"][r][e] != 0:
+                raise Violation(f"rank {r}: W1_DONE[{e}].count holds {s['w1_count'][r][e]} after the last call")
 
 
-def _expand(cfg: Config, pcs, shared, trace, deadlocks: list[str], violations: list[str]) -> list:
-    """The enabled moves from a state; [] for a terminal state, whose deadlock or violation is recorded."""
+def _expand(cfg: Config, pcs, shared, trace, deadlocks: list[str], violations: list[str], reduce: bool) -> list:
+    """The enabled moves (description, pcs, shared) from a state; [] for a terminal state, whose deadlock or violation
+    is recorded.
+
+    reduce (a partial-order reduction): while rank r's compute is at the experts step, its W1 tiles, W2 and late W1
+    steps read and write only rank r's W1_DONE words and W1 rows, which no other step touches, and no other step
+    enables, disables or changes them. Every other step commutes with them and stays enabled, with the same reads
+    (every enabled step's reads are checked here, in every state), so exploring only those steps of one such rank,
+    in every order among themselves, reaches the same violations, deadlocks and final states. The state graph has
+    no cycles (every step advances a counter)."""
     tail = " ".join(trace[-12:])
     try:
         moves = list(_moves(cfg, pcs, shared))
     except Violation as e:
         violations.append(f"{e} after {tail}")
         return []
+    if reduce:
+        local = [m for m in moves if m[3] >= 0]
+        if local:
+            moves = [m for m in local if m[3] == local[0][3]]
+    moves = [m[:3] for m in moves]
     if not moves:
         if not _done(cfg, pcs):
-            deadlocks.append(f"stuck at {pcs} after {tail}")
+            deadlocks.append(f"stuck at {[tuple(rk[:4]) for rk in pcs]} after {tail}")
         else:
             try:
                 _check_final(cfg, shared)
@@ -230,8 +382,8 @@ class Report:
         return not self.deadlocks and not self.violations
 
 
-def explore(cfg: Config, max_states: int = 5_000_000) -> Report:
-    """Every interleaving (memoised on the global state)."""
+def explore(cfg: Config, max_states: int = 5_000_000, reduce: bool = True) -> Report:
+    """Every interleaving (memoised on the global state; reduce: see _expand)."""
     start = _initial(cfg)
     seen = {start}
     stack = [(start, ())]
@@ -239,7 +391,7 @@ def explore(cfg: Config, max_states: int = 5_000_000) -> Report:
     violations: list[str] = []
     while stack and len(seen) <= max_states:
         (pcs, shared), trace = stack.pop()
-        moves = _expand(cfg, pcs, shared, trace, deadlocks, violations)
+        moves = _expand(cfg, pcs, shared, trace, deadlocks, violations, reduce)
         for desc, npcs, nshared in moves:
             st = (npcs, nshared)
             if st not in seen:
@@ -260,7 +412,7 @@ def random_walks(cfg: Config, walks: int, seed: int = 0) -> Report:
         pcs, shared = _initial(cfg)
         trace: list[str] = []
         while True:
-            moves = _expand(cfg, pcs, shared, trace, deadlocks, violations)
+            moves = _expand(cfg, pcs, shared, trace, deadlocks, violations, reduce=False)
             if not moves:
                 break
             desc, pcs, shared = rng.choice(moves)

@@ -152,11 +152,6 @@ def choose_config(
     for (m, k), sp in zip(((2 * inter, hidden), (hidden, inter)), want):
         ok = [s for s in (1, 2, 4) if can_implement(m, k, num_experts, cfg, splits=s) is None]
         splits.append(sp if sp in ok else ok[0])
-    # expert_sync (ring mode): W2 per expert after its W1 tiles instead of after the whole W1 grid wherever W1 runs
-    # unsplit: the layer 1.07-1.15x faster at T = 4-128 on DeepSeek-V3, 1.01-1.14x on V4-Flash at T = 2-128;
-    # 0.965-0.988x where W1 runs in K-split clusters (both models at T = 1, V3 at T = 2), side by side on the H200,
-    # 2026-11-30 (tools/gpu/split_sweep.py --sweep expert_sync, docs/benchmarks/expert-sync-h200-2026-11-30.md)
-    cfg = replace(cfg, expert_sync=splits[0] == 1)
     return with_splits(cfg, (splits[0], splits[1]), hidden, inter)
 
 
@@ -184,8 +179,14 @@ def tile_shape(n_tile: int) -> tuple[int, int]:
 
 
 def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: int) -> Sm90Config:
-    """cfg with these K splits and as many pipeline stages (<= 8) as the shared memory of its occupancy holds."""
-    cfg = replace(cfg, splits=splits)
+    """cfg with these K splits, expert_sync where W1 runs unsplit, and as many pipeline stages (<= 8) as the shared
+    memory of its occupancy holds.
+
+    expert_sync (ring mode): W2 per expert after its W1 tiles instead of after the whole W1 grid wherever W1 runs
+    unsplit: the layer 1.07-1.15x faster at T = 4-128 on DeepSeek-V3, 1.01-1.14x on V4-Flash at T = 2-128;
+    0.965-0.988x where W1 runs in K-split clusters (both models at T = 1, V3 at T = 2), side by side on the H200,
+    2026-11-30 (tools/gpu/split_sweep.py --sweep expert_sync, docs/benchmarks/expert-sync-h200-2026-11-30.md)."""
+    cfg = replace(cfg, splits=splits, expert_sync=splits[0] == 1)
     k_max, s_max = max(hidden, inter), max(splits)
     fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k_max, s_max) <= smem_limit(cfg.occupancy)]
     return replace(cfg, stages=max(fits))
