@@ -118,6 +118,12 @@ def test_k_splits_stages_and_shared_memory():
             c = choose_config(t, k, 32, h, 2048, 132, 1)
             assert c.expert_sync == (c.splits[0] == 1)
     assert not one.expert_sync and choose_config(8, 8, 32, 7168, 2048).expert_sync
+    # with the shared expert at one token (layer-split-sweep-expert-sync record): V3 / GLM-5 unsplit (>= 132 tiles of
+    # >= 48 windows), V4-Flash split (32 windows), GLM-4.5 split (108 tiles < 132 SMs); unsplit again at two tokens
+    shapes = {"v3": (8, 7168, 2048), "v4": (6, 4096, 2048), "glm5": (8, 6144, 2048), "glm45": (8, 5120, 1536)}
+    w1 = {n: choose_config(1, k, 20 if n == "glm45" else 32, h, i, 132, 1).splits[0] for n, (k, h, i) in shapes.items()}
+    assert w1 == {"v3": 1, "v4": 2, "glm5": 1, "glm45": 2}
+    assert all(choose_config(2, k, 32, h, i, 132, 1).splits[0] == 1 for k, h, i in shapes.values())
     four = with_splits(one, (4, 4), 7168, 2048)  # more partial buffers in the leader: fewer stages
     assert four.stages < one.stages
     assert "K splits" in can_implement(7168, 1536, 20, Sm90Config(prefetch=2), splits=4)  # 12 windows, 2 x 4

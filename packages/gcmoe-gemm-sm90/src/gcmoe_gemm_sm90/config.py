@@ -136,16 +136,18 @@ def choose_config(
         active_first=active < ACTIVE_FIRST_BELOW * num_experts,
     )
     # K splits (measured on the whole layer, shared expert included, H200, 2026-11-30, tools/gpu/split_sweep.py,
-    # docs/benchmarks/layer-h200-2026-11-30.md): W1 split in two where its active tiles fit one wave of the SM slots
-    # and each CTA keeps >= 28 K windows, or at one token (DeepSeek-V3 T = 1: 98.8 µs vs 103.7 unsplit, T = 2: 141.6
-    # vs 152.2; V4-Flash T = 1: 67.4 vs 69.7; V4-Flash T = 2, 16 windows per CTA: 82.4 vs 74.9 unsplit); W2 split
-    # only when its tiles fill less than a quarter of the slots (split W2 measured 4-8 % slower at every point above)
+    # docs/benchmarks/layer-split-sweep-expert-sync-h200-2026-11-30.md): W1 split in two where its active tiles fit the
+    # SM slots and either leave SMs without a tile (GLM-4.5 T = 1: 108 tiles, 61.0 µs vs 67.7 unsplit) or, at one
+    # token, stream at most 32 K windows each (V4-Flash T = 1: 67.0 vs 69.2); else unsplit, which also lets W2 start
+    # per expert (with_splits: expert_sync), measured faster for DeepSeek-V3 T = 1 / 2 (94.1 vs 100.0 µs, 126.5 vs
+    # 137.3) and GLM-5 T = 1 (86.0 vs 89.3); W2 split only when its tiles fill less than a quarter of the slots (split
+    # W2 measured 4-8 % slower at every point of docs/benchmarks/layer-h200-2026-11-30.md)
     slots = sms * occupancy
     w1_tiles = (active + shared) * 2 * inter / TILE_M
     w1_windows = hidden // WINDOW_K
     w2_tiles = (active + shared) * hidden / TILE_M
     want = (
-        2 if w1_tiles <= slots and (tokens_per_rank == 1 or w1_windows // 2 >= 28) else 1,
+        2 if w1_tiles <= slots and (w1_tiles < sms or (tokens_per_rank == 1 and w1_windows <= 32)) else 1,
         2 if w2_tiles * 4 < slots else 1,
     )
     splits = []
