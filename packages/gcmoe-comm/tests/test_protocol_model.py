@@ -39,7 +39,7 @@ def test_protocol_random_walks(cfg):
 @pytest.mark.parametrize(
     ("variant", "message"),
     [
-        (Variant(signal_first=True), "of generation 2"),
+        (Variant(signal_first=True), "combine rows from rank"),
         (Variant(accept_stale_tags=True), "consumed ring block"),
         (Variant(skip_ready_wait=True), "generation"),
     ],
@@ -119,10 +119,75 @@ def test_tag_before_reset_breaks_once_w1_tails_overlap_the_next_call(cfg):
         Config(ranks=2, blocks=1, generations=2, experts=1, m_tiles=2, variant=Variant(w2_accept_stale_w1_tag=True)),
         Config(ranks=2, blocks=1, generations=2, w1_tail_overlap=True, variant=Variant(w1_tag_every_tile=True)),
         Config(ranks=2, blocks=1, generations=2, w1_tail_overlap=True, variant=Variant(w1_tag_before_reset=True)),
+        Config(ranks=2, blocks=2, generations=2, variant=Variant(compute_skips_offs_wait=True)),
+        Config(ranks=2, blocks=2, generations=2, variant=Variant(offs_before_offsets=True)),
+        Config(ranks=2, blocks=2, generations=3, variant=Variant(inuse_freed_early=True)),
+        Config(
+            ranks=2, blocks=1, generations=3, variant=Variant(compute_skips_inuse_wait=True, cgen_before_reset=True)
+        ),
     ],
-    ids=["shipped", "shipped-overlap", "signal-early", "w2-stale-w1-tag", "w1-tag-every-tile", "tag-before-reset"],
+    ids=[
+        "shipped",
+        "shipped-overlap",
+        "signal-early",
+        "w2-stale-w1-tag",
+        "w1-tag-every-tile",
+        "tag-before-reset",
+        "no-offs-wait",
+        "offs-first",
+        "inuse-freed-early",
+        "no-inuse-wait-cgen-first",
+    ],
 )
 def test_reduction_keeps_the_verdict(cfg):
     full, reduced = explore(cfg, reduce=False), explore(cfg)
     assert (bool(full.deadlocks), bool(full.violations)) == (bool(reduced.deadlocks), bool(reduced.violations))
     assert reduced.states <= full.states
+
+
+# OFFS, CGEN and INUSE: compute holds the call's ticket, derives g = CGEN + 1 and reads the ring's offsets after OFFS.
+@pytest.mark.parametrize(
+    "variant",
+    [Variant(compute_skips_offs_wait=True), Variant(offs_before_offsets=True)],
+    ids=["no-offs-wait", "offs-first"],
+)
+def test_explorer_catches_offs_bugs(variant):
+    rep = explore(Config(ranks=2, blocks=1, generations=2, variant=variant))
+    assert rep.violations and "compute read ring offsets of generation 0" in rep.violations[0], rep
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [Variant(compute_skips_inuse_wait=True), Variant(inuse_freed_early=True), Variant(cgen_before_reset=True)],
+    ids=["no-inuse-wait", "inuse-freed-early", "cgen-first"],
+)
+def test_workspace_order_bugs_are_safe_on_one_lane(variant):
+    # the lane's next call starts after this finalize ended, and only finalize changes CGEN and INUSE
+    rep = explore(Config(ranks=2, blocks=2, generations=3, variant=variant))
+    assert rep.ok, (rep.deadlocks, rep.violations)
+
+
+TWO_LANES = [
+    Config(ranks=1, blocks=1, generations=1, lanes=2),
+    Config(ranks=1, blocks=2, generations=2, lanes=2, m_tiles=1),
+    Config(ranks=1, blocks=1, generations=2, lanes=2, experts=2, m_tiles=2),
+]
+
+
+@pytest.mark.parametrize("cfg", TWO_LANES, ids=["C1", "B2-C2", "E2-C2"])
+def test_two_lanes_on_one_workspace_are_refused_never_mixed(cfg):
+    # either a call takes the workspace the other freed, or one finds it held (BUSY: ERR set, every wait ends)
+    rep = explore(cfg)
+    assert rep.ok, (rep.deadlocks, rep.violations)
+    assert explore(replace(cfg, variant=Variant(cgen_before_reset=True))).ok
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [Variant(compute_skips_inuse_wait=True), Variant(inuse_freed_early=True)],
+    ids=["no-inuse-wait", "inuse-freed-early"],
+)
+@pytest.mark.parametrize("cfg", TWO_LANES[:2], ids=["C1", "B2-C2"])
+def test_explorer_catches_workspace_bugs_with_two_lanes(cfg, variant):
+    rep = explore(replace(cfg, variant=variant))
+    assert rep.violations and "compute read ring offsets of generation" in rep.violations[0], rep

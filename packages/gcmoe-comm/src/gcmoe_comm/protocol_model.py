@@ -5,24 +5,36 @@ Per rank r and replay generation g = 1, 2, ... (one captured graph replay per ge
 only after its replay g finished — graph launches on one stream are serialised — but ranks are not synchronised
 with each other: there is no trailing cross-rank barrier):
 
-  dispatch (comm partition)
-    publish      payload_gen[r] = g ; ready[r] = g                      (own FP8 tokens + routing, release)
+  dispatch (comm partition; kernels.py k_publish, k_dispatch)
+    publish      take INUSE (CAS 0 -> ticket; held by another ticket: ERR = BUSY, the call does nothing) ;
+                 g = ++GEN ; payload_gen[r] = g ; ready[r] = g            (own FP8 tokens + routing, release)
     route q      wait ready[q] >= g ; read q's routing (check payload_gen[q] == g)          for each rank q
+    offsets      write the ring offsets and counts of g ; OFFS[r] = g (release)           (two steps, this order)
     block b      wait ready[src(b)] >= g ; pull rows (check payload_gen[src] == g) ;
                  ring_gen[r][b] = g ; full[r][b] = g                    (generation tag, release)
     done         dispatch_done[r] = g
-  compute (compute partition, concurrent with dispatch)
+  compute (compute partition, concurrent with publish and dispatch; kernel_grouped.py acquire_ring)
+    acquire      wait INUSE == ticket ; g = CGEN + 1 (the generation compute's waits use)
+    offsets      wait OFFS == g ; read the offsets and counts (check they are of the call's generation)
     block b      wait full[r][b] == g (acquire; a stale tag g-1 is never accepted) ; consume (check ring_gen == g)
     experts      W1 tiles and W2 of every expert e, all concurrent (W2 does not wait for the whole W1 grid):
       W1 e, m    store rows (w1_rows[r][e][m] = g) ; old = atomic_add(count[e], 1) (acq_rel)  for each M tile m
                  if old == M - 1 (last of M tiles): count[e] = 0 ; tag[e] = g (release)  (count, tag: W1_DONE[e])
       W2 e       wait tag[e] == g (acquire; the last call's tag g-1 is never accepted) ; read e's W1 rows
                  (check w1_rows[r][e][m] == g for every m)
-    scatter q    wait dispatch_done[r] == g ; combine_gen[q][r] = g (W2 rows into q's combine buffer) ;
-                 recv[q][g % 2] += 1 (release)                          for each rank q
-  finalize (compute partition, after compute)
-    wait recv[r][g % 2] == P (acquire) ; read combine (check combine_gen[r][q] == g for all q) ;
-    recv[r][g % 2] = 0 (reset for generation g + 2)
+    scatter q    wait dispatch_done[r] == g ; combine_gen[q][r] = g (W2 rows into q's combine buffer)  for each q
+  finalize (compute partition, after W2 on the stream; kernels.py k_finalize)
+    start        INUSE != ticket or ERR set: NaN rows, nothing else (INUSE stays held) ; g = GEN (checked)
+    signal q     recv[q][g % 2] += 1 (release: the combined signal, my rows for q landed)  for each rank q
+    wait         recv[r][g % 2] == P (acquire) ; read combine (check combine_gen[r][q] == g for all q)
+    tail         recv[r][g % 2] = 0 (for generation g + 2) ; CGEN = g ; INUSE = 0 (release)  (three steps)
+
+Calls: one lane (Config.lanes = 1) issues its calls in order on one stream, ticket fixed; lanes = 2 (ranks = 1):
+two streams' calls race for one workspace: one takes it, the other is refused (BUSY) or takes it once freed.
+On one lane INUSE and CGEN are redundant (the stream orders the calls); with two lanes compute's INUSE wait and
+finalize's order (CGEN = g, then INUSE = 0) keep a call from deriving another call's g and reading its offsets.
+Signals folded into finalize: a rank's signal to q and its own wait touch different words (q != r), so running
+the signals before the wait loses no interleaving.
 
 Why it is safe without a trailing barrier: rank q signals r for generation g only after q's dispatch finished
 pulling r's payload of g, and r overwrites that payload (g + 1) only after its finalize(g) saw every peer's signal.
@@ -37,7 +49,9 @@ tiles retire (Config.w1_tail_overlap). W2 accepts only tag == g, so the last cal
 `explore(...)` runs every interleaving (memoised DFS over states) and reports deadlocks and violations of: payload
 read of the wrong generation, a ring block consumed twice / never / with the wrong generation, a combine row of the
 wrong generation, a lost receive-counter increment, a W2 read of W1 rows of another generation or before every M
-tile of the expert stored them, a W1_DONE count not back to 0 after a call (or already at M before a tile's add).
+tile of the expert stored them, a W1_DONE count not back to 0 after a call (or already at M before a tile's add),
+compute reading ring offsets of another generation (OFFS, CGEN, INUSE), publish or finalize seeing another GEN.
+A rank whose ERR is set fails loudly (its waits end): its stuck lanes are no deadlock, its counters not checked.
 `Variant` flags seed known bugs so tests prove the explorer catches them.
 """
 
@@ -45,6 +59,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from functools import cache
 from typing import NamedTuple
 
 
@@ -52,7 +67,7 @@ from typing import NamedTuple
 class Variant:
     """Protocol switches; the default is the shipped protocol. Each True flag is a deliberate bug."""
 
-    signal_first: bool = False  # compute signals peers before its blocks arrived (pulls may still be in flight)
+    signal_first: bool = False  # W2 scatters its rows before its blocks arrived (without waiting for dispatch)
     accept_stale_tags: bool = False  # wait full[b] >= 1 instead of == g (a tag from an old generation passes)
     skip_ready_wait: bool = False  # pull a peer's rows without waiting for its ready flag of this generation
     # Not a bug under this protocol: one receive counter per rank instead of two. Every rank reads every peer's
@@ -69,40 +84,75 @@ class Variant:
     w1_tag_before_reset: bool = False
     w2_accept_stale_w1_tag: bool = False  # W2 waits W1_DONE[e].tag >= 1 instead of == g (last call's tag passes)
     w1_tag_every_tile: bool = False  # every W1 tile of e releases W1_DONE[e].tag, not only the last one
+    compute_skips_offs_wait: bool = False  # W1 / W2 read the ring offsets and counts without waiting OFFS == g
+    offs_before_offsets: bool = False  # dispatch releases OFFS = g before it writes the ring offsets and counts
+    # Not bugs on one lane (the stream rule: the lane's next call starts after this finalize ended, and CGEN changes
+    # only in finalize): compute skips the INUSE == ticket wait (CGEN + 1 and OFFS == g alone pick the right call);
+    # finalize frees INUSE before it stores CGEN = g; finalize stores CGEN before it resets RECV. The explorer proves
+    # all three safe there. The first two break once a second lane shares the workspace (Config.lanes = 2): a
+    # call of the other lane reads the holder's CGEN + 1 and OFFS (its offsets of the holder's generation), or
+    # takes the freed workspace and reads CGEN before the holder stored it (g = the holder's, whose OFFS passes).
+    # cgen_before_reset stays safe there too: CGEN is read only by a call that holds INUSE, freed after both.
+    compute_skips_inuse_wait: bool = False
+    inuse_freed_early: bool = False
+    cgen_before_reset: bool = False
 
 
 @dataclass(frozen=True)
 class Config:
     ranks: int = 2
     blocks: int = 2  # ring blocks each rank receives per generation (block b pulled from rank b % P)
-    generations: int = 2
+    generations: int = 2  # calls per lane
     experts: int = 1  # experts of each rank's W1 / W2 (all with rows: an empty expert's tiles and W2 skip W1_DONE)
     m_tiles: int = 2  # W1 M tiles per expert (the count W1_DONE[e] reaches per generation)
     # A weaker stream rule: a rank's next generation may start once this generation's W2 work finished, with W1
     # tiles' steps after their own tag still pending (they finish later, concurrently with the next generation).
     w1_tail_overlap: bool = False
+    # Streams ("lanes") issuing calls on one workspace, not ordered with each other; lane l's calls hold ticket
+    # l + 1. lanes > 1 needs ranks == 1 (the calls of one layer step are not paired across ranks there).
+    lanes: int = 1
     variant: Variant = field(default_factory=Variant)
+
+    def __post_init__(self):
+        if self.lanes > 1 and self.ranks != 1:
+            raise ValueError("Config: lanes > 1 needs ranks == 1")
 
 
 class _Rank(NamedTuple):
-    """Program counters of one rank. gen = current generation (1-based), gen > generations: the rank is finished."""
+    """Program counters of one lane of one rank. gen = the lane's call number (1-based), gen > generations: the lane
+    is finished."""
 
     gen: int
+    g: int  # the generation this call's publish took (one lane: known ahead, = gen; else 0 until publish)
+    cg: int  # the generation compute derived (CGEN + 1 once it held INUSE; 0 before)
     dpc: int  # dispatch
-    cpc: int  # compute: blocks, the experts step, scatters (see _compute_step)
+    cpc: int  # compute: acquire, offsets, blocks, the experts step, scatters (see _plans)
     fpc: int  # finalize
     w1: tuple  # [e][m]: None (not started) or the tile's steps still to run after its add ((): retired)
     w2: tuple  # [e]: W2 of expert e done
     late: tuple  # (e, gen, steps) of W1 tiles of earlier generations still running (Config.w1_tail_overlap)
 
 
-def _rank(cfg: Config, g: int) -> _Rank:
-    return _Rank(g, 0, 0, 0, ((None,) * cfg.m_tiles,) * cfg.experts, (False,) * cfg.experts, ())
+def _rank(cfg: Config, gen: int) -> _Rank:
+    g = gen if cfg.lanes == 1 else 0
+    return _Rank(gen, g, 0, 0, 0, 0, ((None,) * cfg.m_tiles,) * cfg.experts, (False,) * cfg.experts, ())
+
+
+def _finished(cfg: Config) -> _Rank:
+    """A lane whose calls ended (or that stopped at a failed call: the workspace needs recover() first)."""
+    return _rank(cfg, cfg.generations + 1)
 
 
 def _initial(cfg: Config):
     p, b, ne = cfg.ranks, cfg.blocks, cfg.experts
+    ng = cfg.generations * cfg.lanes + 2
     shared = {
+        "gen": (0,) * p,  # GEN
+        "inuse": (0,) * p,  # INUSE: the ticket holding the workspace (0: free)
+        "cgen": (0,) * p,  # CGEN: the generation whose finalize last finished
+        "offs": (0,) * p,  # OFFS: the generation whose ring offsets and counts are written
+        "ring_offs": (0,) * p,  # generation of the ring offsets and counts themselves
+        "err": (0,) * p,  # ERR set (a call found the workspace held: BUSY)
         "ready": (0,) * p,
         "payload_gen": (0,) * p,
         "dispatch_done": (0,) * p,
@@ -111,13 +161,13 @@ def _initial(cfg: Config):
         "consumed": ((0,) * b,) * p,  # times block b was consumed in the current generation
         "recv": ((0, 0),) * p,
         "combine_gen": ((0,) * p,) * p,
-        "signals": ((0,) * (cfg.generations + 2),) * p,  # increments ever sent to rank r per generation
-        "seen": ((0,) * (cfg.generations + 2),) * p,  # increments rank r accounted for per generation
+        "signals": ((0,) * ng,) * p,  # increments ever sent to rank r per generation
+        "seen": ((0,) * ng,) * p,  # increments rank r accounted for per generation
         "w1_count": ((0,) * ne,) * p,  # W1_DONE[e].count of rank r
         "w1_tag": ((0,) * ne,) * p,  # W1_DONE[e].tag of rank r
         "w1_rows": (((0,) * cfg.m_tiles,) * ne,) * p,  # generation of W1's output rows of M tile m of expert e
     }
-    pcs = tuple(_rank(cfg, 1) for _ in range(p))
+    pcs = tuple(_rank(cfg, 1) for _ in range(p * cfg.lanes))
     return pcs, tuple(sorted(shared.items()))
 
 
@@ -137,28 +187,40 @@ class Violation(Exception):
     pass
 
 
+PRIVATE = -2  # the mark of a step _expand may run alone (see there)
+
+
 def _dispatch_steps(cfg: Config) -> int:
-    return 1 + cfg.ranks + cfg.blocks + 1  # publish, route per rank, blocks, done
+    return 1 + cfg.ranks + 2 + cfg.blocks + 1  # publish, route per rank, offsets + OFFS, blocks, done
 
 
-def _compute_steps(cfg: Config) -> int:
-    return cfg.blocks + 1 + cfg.ranks  # blocks, the experts step (W1 tiles and W2, concurrent), scatters
-
-
-def _compute_step(cfg: Config, cpc: int) -> tuple[str, int]:
-    """("block", b), ("experts", 0) or ("scatter", q); signal_first runs the scatters first."""
-    nb, p = cfg.blocks, cfg.ranks
-    if cfg.variant.signal_first:
-        cpc = (cpc + nb + 1) % (nb + 1 + p)
-    if cpc < nb:
-        return "block", cpc
-    if cpc == nb:
-        return "experts", 0
-    return "scatter", cpc - nb - 1
+@cache
+def _plans(cfg: Config) -> tuple[tuple, tuple]:
+    """The steps (kind, index) of compute and of finalize. signal_first: the combined signal goes out from compute,
+    before W2's scatters (not after them, from finalize)."""
+    v, p = cfg.variant, cfg.ranks
+    signals = tuple(("signal", q) for q in range(p))
+    compute = (("acquire", 0), ("offsets", 0), *(("block", b) for b in range(cfg.blocks)), ("experts", 0))
+    compute += (signals if v.signal_first else ()) + tuple(("scatter", q) for q in range(p))
+    if v.inuse_freed_early:
+        tail = ("reset", "free", "cgen")
+    elif v.cgen_before_reset:
+        tail = ("cgen", "reset", "free")
+    else:
+        tail = ("reset", "cgen", "free")
+    finalize = (() if v.signal_first else signals) + (("wait", 0),) + tuple((t, 0) for t in tail)
+    return compute, finalize
 
 
 def _slot(cfg: Config, g: int) -> int:
     return 0 if cfg.variant.single_recv_counter else g % 2
+
+
+def _signal(cfg: Config, n: dict, q: int, g: int) -> None:
+    """The combined signal of generation g to rank q: recv[q][g % 2] += 1 (release)."""
+    slot = _slot(cfg, g)
+    n["recv"] = _set2(n["recv"], q, slot, n["recv"][q][slot] + 1)
+    n["signals"] = _set2(n["signals"], q, g, n["signals"][q][g] + 1)
 
 
 def _w1_step(n: dict, r: int, e: int, g: int, step: str) -> None:
@@ -170,8 +232,9 @@ def _w1_step(n: dict, r: int, e: int, g: int, step: str) -> None:
 
 
 def _expert_moves(cfg: Config, r: int, rk: _Rank, s: dict):
-    """W1 tiles and W2 of rank r's experts step (concurrent), and the step that ends it."""
-    g, v, mt = rk.gen, cfg.variant, cfg.m_tiles
+    """W1 tiles and W2 of rank r's experts step (concurrent), and the step that ends it. Tags carry compute's g (cg),
+    rows the call's own generation (rk.g): a W2 that passes a tag of another call reads rows of another generation."""
+    g, cg, v, mt = rk.g, rk.cg, cfg.variant, cfg.m_tiles
     for e in range(cfg.experts):
         for m in range(mt):
             tile = rk.w1[e][m]
@@ -188,7 +251,7 @@ def _expert_moves(cfg: Config, r: int, rk: _Rank, s: dict):
                     tile = ("tag",) if v.w1_tag_every_tile else ()
                 desc = f"w1e{e}m{m}:add"
             elif tile:
-                _w1_step(n, r, e, g, tile[0])
+                _w1_step(n, r, e, cg, tile[0])
                 desc, tile = f"w1e{e}m{m}:{tile[0]}", tile[1:]
             else:
                 continue
@@ -196,7 +259,7 @@ def _expert_moves(cfg: Config, r: int, rk: _Rank, s: dict):
             yield f"r{r}g{g}:{desc}", rk._replace(w1=w1), n
         if not rk.w2[e]:
             tag = s["w1_tag"][r][e]
-            if tag >= 1 if v.w2_accept_stale_w1_tag else tag == g:
+            if tag >= 1 if v.w2_accept_stale_w1_tag else tag == cg:
                 # acquire, then read the rows (one step: the next generation's W1 comes after this W2 on the stream)
                 for m in range(mt):
                     if s["w1_rows"][r][e][m] != g:
@@ -210,17 +273,18 @@ def _expert_moves(cfg: Config, r: int, rk: _Rank, s: dict):
     if all(rk.w2) and all(t is not None and (cfg.w1_tail_overlap or not t) for t in tiles):
         late = rk.late
         for e in range(cfg.experts):
-            late += tuple((e, g, t) for t in rk.w1[e] if t)
+            late += tuple((e, cg, t) for t in rk.w1[e] if t)
         for e in range(cfg.experts):
             if s["w1_count"][r][e] != 0 and not any(x[0] == e for x in late):
                 raise Violation(f"rank {r} gen {g}: W1_DONE[{e}].count holds {s['w1_count'][r][e]} after the call")
-        fresh = _rank(cfg, g)
+        fresh = _rank(cfg, rk.gen)
         nrk = rk._replace(cpc=rk.cpc + 1, w1=fresh.w1, w2=fresh.w2, late=tuple(sorted(late)))
         yield f"r{r}g{g}:experts-done", nrk, dict(s)
 
 
 def _at_experts(cfg: Config, rk: _Rank) -> bool:
-    return rk.gen <= cfg.generations and rk.cpc < _compute_steps(cfg) and _compute_step(cfg, rk.cpc)[0] == "experts"
+    compute = _plans(cfg)[0]
+    return rk.gen <= cfg.generations and rk.cpc < len(compute) and compute[rk.cpc][0] == "experts"
 
 
 def _moves(cfg: Config, pcs, shared):
@@ -228,35 +292,54 @@ def _moves(cfg: Config, pcs, shared):
     r for the steps of rank r's W1 tiles, W2 and late W1 tiles while its compute is at the experts step (see _expand),
     else -1."""
     s = dict(shared)
-    p, nb = cfg.ranks, cfg.blocks
+    p, nb, nl = cfg.ranks, cfg.blocks, cfg.lanes
     v = cfg.variant
-    for r in range(p):
-        rk = pcs[r]
-        g, dpc, cpc, fpc = rk.gen, rk.dpc, rk.cpc, rk.fpc
-        local = r if _at_experts(cfg, rk) else -1
+    for i, rk in enumerate(pcs):
+        r, lane = divmod(i, nl)
+        ticket = lane + 1
+        g, dpc, cpc, fpc = rk.g, rk.dpc, rk.cpc, rk.fpc
+        who = f"r{r}g{g}" if nl == 1 else f"r{r}l{lane}c{rk.gen}g{g}"
+        local = i if _at_experts(cfg, rk) else -1
         # ---- W1 tiles of earlier generations still running (w1_tail_overlap)
-        for i, (e, lg, steps) in enumerate(rk.late):
+        for j, (e, lg, steps) in enumerate(rk.late):
             n = dict(s)
             _w1_step(n, r, e, lg, steps[0])
-            late = rk.late[:i] + rk.late[i + 1 :] if len(steps) == 1 else _set(rk.late, i, (e, lg, steps[1:]))
+            late = rk.late[:j] + rk.late[j + 1 :] if len(steps) == 1 else _set(rk.late, j, (e, lg, steps[1:]))
             nrk = rk._replace(late=tuple(sorted(late)))
-            yield f"r{r}g{lg}:w1e{e}:late-{steps[0]}", _set(pcs, r, nrk), tuple(sorted(n.items())), local
-        if g > cfg.generations:
+            yield f"r{r}g{lg}:w1e{e}:late-{steps[0]}", _set(pcs, i, nrk), tuple(sorted(n.items())), local
+        if rk.gen > cfg.generations:
             continue
-        # ---- dispatch
+        # ---- dispatch (publish and dispatch on the lane's comm stream)
         if dpc < _dispatch_steps(cfg):
             n = dict(s)
+            nrk = rk._replace(dpc=dpc + 1)
             ok = True
-            if dpc == 0:
-                n["payload_gen"] = _set(s["payload_gen"], r, g)
-                n["ready"] = _set(s["ready"], r, g)
+            if dpc == 0:  # take the workspace (CAS 0 -> ticket), publish; the last CTA: g = ++GEN, READY = g
+                held = s["inuse"][r]
+                if s["err"][r] or held not in (0, ticket):
+                    # BUSY: ERR recorded, the call does nothing (its compute waits end on ERR, finalize writes NaN)
+                    n["err"] = _set(s["err"], r, 1)
+                    nrk = _finished(cfg)._replace(late=rk.late)
+                else:
+                    ng = s["gen"][r] + 1
+                    if nl == 1 and ng != rk.g:
+                        raise Violation(f"rank {r} call {rk.gen}: publish took generation {ng}")
+                    n["inuse"] = _set(s["inuse"], r, ticket)
+                    n["gen"] = _set(s["gen"], r, ng)
+                    n["payload_gen"] = _set(s["payload_gen"], r, ng)
+                    n["ready"] = _set(s["ready"], r, ng)
+                    nrk = nrk._replace(g=ng)
             elif dpc <= p:
                 q = dpc - 1
                 ok = v.skip_ready_wait or s["ready"][q] >= g
                 if ok and s["payload_gen"][q] != g:
                     raise Violation(f"rank {r} gen {g}: read rank {q}'s routing of generation {s['payload_gen'][q]}")
-            elif dpc <= p + nb:
-                b = dpc - 1 - p
+            elif dpc <= p + 2:  # CTA 0 writes the ring offsets and counts, then releases OFFS = g
+                first = (dpc == p + 1) != v.offs_before_offsets
+                word = "ring_offs" if first else "offs"
+                n[word] = _set(s[word], r, g)
+            elif dpc <= p + 2 + nb:
+                b = dpc - 3 - p
                 src = b % p
                 ok = v.skip_ready_wait or s["ready"][src] >= g
                 if ok:
@@ -270,67 +353,104 @@ def _moves(cfg: Config, pcs, shared):
             else:
                 n["dispatch_done"] = _set(s["dispatch_done"], r, g)
             if ok:
-                nrk = rk._replace(dpc=dpc + 1)
-                yield f"r{r}g{g}:dispatch{dpc}", _set(pcs, r, nrk), tuple(sorted(n.items())), -1
-        # ---- compute
-        if cpc < _compute_steps(cfg):
-            kind, i = _compute_step(cfg, cpc)
+                yield f"{who}:dispatch{dpc}", _set(pcs, i, nrk), tuple(sorted(n.items())), -1
+        # ---- compute (W1, W2 on the lane's compute stream, concurrent with publish and dispatch)
+        compute, finalize = _plans(cfg)
+        if cpc < len(compute):
+            kind, j = compute[cpc]
             if kind == "experts":
                 for desc, nrk, n in _expert_moves(cfg, r, rk, s):
-                    yield desc, _set(pcs, r, nrk), tuple(sorted(n.items())), r
+                    yield desc.replace(f"r{r}g{g}", who), _set(pcs, i, nrk), tuple(sorted(n.items())), local
                 continue
             n = dict(s)
-            if kind == "block":
-                tag = s["full"][r][i]
-                ok = tag >= 1 if v.accept_stale_tags else tag == g
-                if ok:
-                    if s["ring_gen"][r][i] != g:
-                        raise Violation(
-                            f"rank {r} gen {g}: consumed ring block {i} holding generation {s['ring_gen'][r][i]}"
-                        )
-                    n["consumed"] = _set2(s["consumed"], r, i, s["consumed"][r][i] + 1)
-            else:
-                ok = v.signal_first or s["dispatch_done"][r] == g
-                if ok:
-                    n["combine_gen"] = _set2(s["combine_gen"], i, r, g)
-                    slot = _slot(cfg, g)
-                    n["recv"] = _set2(s["recv"], i, slot, s["recv"][i][slot] + 1)
-                    n["signals"] = _set2(s["signals"], i, g, s["signals"][i][g] + 1)
-            if ok:
-                nrk = rk._replace(cpc=cpc + 1)
-                yield f"r{r}g{g}:compute{cpc}", _set(pcs, r, nrk), tuple(sorted(n.items())), -1
-        # ---- finalize (after compute on the same stream)
-        elif fpc == 0:
-            slot = _slot(cfg, g)
-            if s["recv"][r][slot] >= p:
-                n = dict(s)
-                if s["recv"][r][slot] > p:
+            nrk = rk._replace(cpc=cpc + 1)
+            cg = rk.cg
+            mark = PRIVATE if kind in ("acquire", "offsets", "block") else -1
+            ok = True
+            if kind == "acquire":  # wait INUSE == ticket, then g = CGEN + 1
+                ok = v.compute_skips_inuse_wait or s["inuse"][r] == ticket
+                nrk = nrk._replace(cg=s["cgen"][r] + 1)
+            elif kind == "offsets":  # wait OFFS == g, then read the ring offsets and counts
+                ok = v.compute_skips_offs_wait or s["offs"][r] == cg
+                if ok and s["ring_offs"][r] != g:
                     raise Violation(
-                        f"rank {r} gen {g}: counter holds {s['recv'][r][slot]} > {p} signals (mixed generations)"
+                        f"rank {r} call {rk.gen} (generation {g}): compute read ring offsets of generation "
+                        f"{s['ring_offs'][r]} (its g = {cg})"
                     )
-                for q in range(p):
-                    if s["combine_gen"][r][q] != g:
+            elif kind == "block":
+                tag = s["full"][r][j]
+                ok = tag >= 1 if v.accept_stale_tags else tag == cg
+                if ok:
+                    if s["ring_gen"][r][j] != g:
                         raise Violation(
-                            f"rank {r} gen {g}: combine rows from rank {q} are of generation {s['combine_gen'][r][q]}"
+                            f"rank {r} gen {g}: consumed ring block {j} holding generation {s['ring_gen'][r][j]}"
                         )
+                    n["consumed"] = _set2(s["consumed"], r, j, s["consumed"][r][j] + 1)
+            elif kind == "signal":
+                _signal(cfg, n, j, g)
+            else:  # W2 scatters its rows into rank j's combine buffer
+                ok = s["dispatch_done"][r] == g
+                if ok:
+                    n["combine_gen"] = _set2(s["combine_gen"], j, r, g)
+            if ok:
+                yield f"{who}:compute{cpc}", _set(pcs, i, nrk), tuple(sorted(n.items())), mark
+        # ---- finalize (after compute on the same stream)
+        elif fpc < len(finalize):
+            kind, j = finalize[fpc]
+            n = dict(s)
+            nrk = rk._replace(fpc=fpc + 1)
+            slot = _slot(cfg, g)
+            ok = True
+            mark = PRIVATE if kind in ("cgen", "free") else -1
+            if fpc == 0 and (s["inuse"][r] != ticket or s["err"][r]):
+                # not this call's workspace, or ERR set: NaN rows, no signal, INUSE stays held (recover() needed)
+                nrk = _finished(cfg)._replace(late=rk.late)
+                mark = -1
+            elif fpc == 0 and s["gen"][r] != g:
+                raise Violation(f"rank {r} call {rk.gen}: finalize read GEN = {s['gen'][r]}, its call is {g}")
+            elif kind == "signal":  # the combined signal: my W2 rows for rank j landed (W2 finished: stream order)
+                _signal(cfg, n, j, g)
+            elif kind == "wait":
+                ok = s["recv"][r][slot] >= p
+                if ok:
+                    if s["recv"][r][slot] > p:
+                        raise Violation(
+                            f"rank {r} gen {g}: counter holds {s['recv'][r][slot]} > {p} signals (mixed generations)"
+                        )
+                    for q in range(p):
+                        if s["combine_gen"][r][q] != g:
+                            raise Violation(
+                                f"rank {r} gen {g}: combine rows from rank {q} are of generation "
+                                f"{s['combine_gen'][r][q]}"
+                            )
+                    n["seen"] = _set2(s["seen"], r, g, p)
+                    for b in range(nb):
+                        if s["consumed"][r][b] != 1:
+                            raise Violation(f"rank {r} gen {g}: ring block {b} consumed {s['consumed'][r][b]} times")
+                    n["consumed"] = _set(s["consumed"], r, (0,) * nb)
+            elif kind == "reset":  # the receive counter of this parity, for generation g + 2
                 n["recv"] = _set2(s["recv"], r, slot, 0)
-                n["seen"] = _set2(s["seen"], r, g, p)
-                for b in range(nb):
-                    if s["consumed"][r][b] != 1:
-                        raise Violation(f"rank {r} gen {g}: ring block {b} consumed {s['consumed'][r][b]} times")
-                n["consumed"] = _set(s["consumed"], r, (0,) * nb)
-                # the generation ends; the next replay's roles start from the top
-                nrk = _rank(cfg, g + 1)._replace(late=rk.late)
-                yield f"r{r}g{g}:finalize", _set(pcs, r, nrk), tuple(sorted(n.items())), -1
+            elif kind == "cgen":
+                n["cgen"] = _set(s["cgen"], r, g)
+            else:
+                n["inuse"] = _set(s["inuse"], r, 0)
+            if ok and fpc + 1 == len(finalize):  # the call ends; the lane's next call starts from the top
+                nrk = _rank(cfg, rk.gen + 1)._replace(late=rk.late)
+            if ok:
+                yield f"{who}:finalize{fpc}", _set(pcs, i, nrk), tuple(sorted(n.items())), mark
 
 
-def _done(cfg: Config, pcs) -> bool:
-    return all(rk.gen > cfg.generations and not rk.late for rk in pcs)
+def _done(cfg: Config, pcs, shared) -> bool:
+    """Every lane finished, or stopped on a rank whose ERR is set (every wait there ends on ERR: a loud failure)."""
+    err = dict(shared)["err"]
+    return all(err[i // cfg.lanes] or (rk.gen > cfg.generations and not rk.late) for i, rk in enumerate(pcs))
 
 
 def _check_final(cfg: Config, shared) -> None:
     s = dict(shared)
     for r in range(cfg.ranks):
+        if s["err"][r]:
+            continue
         for g in range(1, cfg.generations + 1):
             if s["signals"][r][g] != s["seen"][r][g]:
                 raise Violation(f"rank {r} gen {g}: {s['signals'][r][g]} signals sent, {s['seen'][r][g]} accounted")
@@ -348,21 +468,30 @@ def _expand(cfg: Config, pcs, shared, trace, deadlocks: list[str], violations: l
     enables, disables or changes them. Every other step commutes with them and stays enabled, with the same reads
     (every enabled step's reads are checked here, in every state), so exploring only those steps of one such rank,
     in every order among themselves, reaches the same violations, deadlocks and final states. The state graph has
-    no cycles (every step advances a counter)."""
+    no cycles (every step advances a counter).
+    Stronger, for PRIVATE steps (compute's acquire, offsets and block steps; finalize's CGEN and INUSE stores): on
+    one lane they write nothing another lane or rank reads (compute: its own counters and consumed; CGEN, INUSE:
+    read by the rank's next call only), and the words they read change during the call only towards this call's
+    values (its own publish, dispatch), so once enabled they stay enabled and a read that is good stays good (a bad
+    one is reported in the state where the step is enabled). One such step is explored alone. Both reductions are
+    off for lanes > 1 (the lanes share these words)."""
     tail = " ".join(trace[-12:])
     try:
         moves = list(_moves(cfg, pcs, shared))
     except Violation as e:
         violations.append(f"{e} after {tail}")
         return []
-    if reduce:
+    if reduce and cfg.lanes == 1:
+        private = [m for m in moves if m[3] == PRIVATE]
         local = [m for m in moves if m[3] >= 0]
-        if local:
+        if private:
+            moves = private[:1]
+        elif local:
             moves = [m for m in local if m[3] == local[0][3]]
     moves = [m[:3] for m in moves]
     if not moves:
-        if not _done(cfg, pcs):
-            deadlocks.append(f"stuck at {[tuple(rk[:4]) for rk in pcs]} after {tail}")
+        if not _done(cfg, pcs, shared):
+            deadlocks.append(f"stuck at {[tuple(rk[:6]) for rk in pcs]} after {tail}")
         else:
             try:
                 _check_final(cfg, shared)
