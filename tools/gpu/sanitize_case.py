@@ -11,11 +11,11 @@ import sys
 import torch
 
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.grouping import grouped_forward
 from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import Case, calc_diff, make_problem
+from gcmoe_gemm_sm90.bench import layer_for
 from gcmoe_gemm_sm90.config import Sm90Config
-from gcmoe_gemm_sm90.ops import MoESm90, w1, w2
+from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--only", choices=("kernels", "layer"), default=None)
@@ -32,17 +32,7 @@ if args.only in (None, "kernels"):
     for kc in configs:
         x, ids, w, weights, _ = make_problem(Case(CFG, 12, "uniform", seed=kc.n_tile), device="cuda")
         moe = MoESm90.from_weights(weights)
-        y = grouped_forward(
-            x,
-            ids,
-            w,
-            moe.num_routed,
-            moe.num_shared,
-            kc.n_tile,
-            moe.hidden,
-            lambda acts, lay, kc=kc, moe=moe: w1(moe.w13, acts, lay, kc),
-            lambda hq, hs, lay, out, kc=kc, moe=moe: w2(moe.w2, hq, hs, lay, out, kc),
-        )
+        y = layer_for(moe, x, w, ids, kc)  # the kernels' layer on prepared rows
         torch.cuda.synchronize()
         d = calc_diff(y, moe_reference(x, ids, w, weights))
         print(f"kernels {kc.n_tile=} {kc.splits=} {kc.warpgroups=}: calc_diff {d:.2e}", flush=True)

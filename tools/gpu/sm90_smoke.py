@@ -15,11 +15,12 @@ from dataclasses import replace
 import torch
 
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.grouping import group_rows, grouped_forward, prepare_activations
+from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import Case, calc_diff, make_problem
+from gcmoe_gemm_sm90.bench import layer_for
 from gcmoe_gemm_sm90.config import Sm90Config
-from gcmoe_gemm_sm90.ops import MoESm90, RingSync, launch_w1, launch_w2, w1, w2
+from gcmoe_gemm_sm90.ops import MoESm90, RingSync, launch_w1, launch_w2
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--timeout", type=int, default=60)
@@ -31,17 +32,7 @@ for n_tile in (8, 16, 32):
     x, ids, w, weights, _ = make_problem(Case(cfg, 21, "uniform", seed=n_tile), device="cuda")
     moe = MoESm90.from_weights(weights)
     kc = Sm90Config(n_tile, 3, 2)
-    y = grouped_forward(
-        x,
-        ids,
-        w,
-        moe.num_routed,
-        moe.num_shared,
-        n_tile,
-        moe.hidden,
-        lambda acts, lay, kc=kc, moe=moe: w1(moe.w13, acts, lay, kc),
-        lambda hq, hs, lay, out, kc=kc, moe=moe: w2(moe.w2, hq, hs, lay, out, kc),
-    )
+    y = layer_for(moe, x, w, ids, kc)  # the kernels' layer on prepared rows
     torch.cuda.synchronize()
     d = calc_diff(y, moe_reference(x, ids, w, weights))
     print(

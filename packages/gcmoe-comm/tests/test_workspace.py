@@ -43,21 +43,22 @@ def test_views_cover_their_buffers_exactly():
     assert int(v.signals.abs().sum()) == 0
 
 
+ERROR_CASES = [  # (rank whose ERR words are set, the words: code, kind, who, generation, seen; the message)
+    (0, [1, 1, 1, 7, 6], r"rank 0: timed out waiting on rank 1's ready tag.*generation 7, saw 6"),
+    (1, [1, 2, 1, 3, 1], r"rank 1's receive counter: wanted 2 arrivals for generation 3, saw 1"),
+    (1, [1, 4, 12, 3, 2], r"rank 1: timed out waiting on block 12 of its own ring .*generation 3, saw 2"),
+    (1, [1, 6, 5, 3, 2], r"rank 1: timed out waiting on ring expert 5 \(W1 completion tag.*generation 3, saw 2"),
+    (0, [1, 5, 0, 9, 4], r"a call \(ticket 9\) found its workspace, held by another call .*ticket 4"),
+]
+
+
 def test_error_words_become_a_clear_error_and_recover_clears_them():
     wss = Workspace.virtual(SPEC, "cpu")
     wss[0].check()  # no error recorded
-    wss[0].views.signals[SIG_ERR : SIG_ERR + 5] = torch.tensor([1, 1, 1, 7, 6], dtype=torch.int32)
-    with pytest.raises(CommError, match=r"rank 0: timed out waiting on rank 1's ready tag.*generation 7, saw 6"):
-        wss[0].check()
-    wss[1].views.signals[SIG_ERR : SIG_ERR + 5] = torch.tensor([1, 2, 1, 3, 1], dtype=torch.int32)
-    with pytest.raises(CommError, match=r"rank 1's receive counter: wanted 2 arrivals for generation 3, saw 1"):
-        wss[1].check()
-    wss[1].views.signals[SIG_ERR : SIG_ERR + 5] = torch.tensor([1, 4, 12, 3, 2], dtype=torch.int32)
-    with pytest.raises(CommError, match=r"rank 1: timed out waiting on block 12 of its own ring .*generation 3, saw 2"):
-        wss[1].check()
-    wss[0].views.signals[SIG_ERR : SIG_ERR + 5] = torch.tensor([1, 5, 0, 9, 4], dtype=torch.int32)
-    with pytest.raises(CommError, match=r"a call \(ticket 9\) found its workspace, held by another call .*ticket 4"):
-        wss[0].check()
+    for rank, words, message in ERROR_CASES:
+        wss[rank].views.signals[SIG_ERR : SIG_ERR + 5] = torch.tensor(words, dtype=torch.int32)
+        with pytest.raises(CommError, match=message):
+            wss[rank].check()
     wss[1].recover()  # virtual ranks: resets every sibling
     wss[0].check(), wss[1].check()
 

@@ -94,14 +94,10 @@ def error_message(err: list[int], rank: int, ranks: int) -> str | None:
         want = f"{ranks} arrivals for generation {gen}"
     else:
         want = f"generation {gen}"
-    place = f"rank {who}'s"
-    if kind == KIND_BLOCK:
-        place = f"block {who} of its own ring"
-    elif kind == KIND_W1:
-        place = f"ring expert {who}"
-    if kind in (KIND_BLOCK, KIND_W1):
-        return f"gcmoe-comm rank {rank}: timed out waiting on {place} ({what}): wanted {want}, saw {seen}. {tail}"
-    return f"gcmoe-comm rank {rank}: timed out waiting on {place} {what}: wanted {want}, saw {seen}. {tail}"
+    own = {KIND_BLOCK: f"block {who} of its own ring", KIND_W1: f"ring expert {who}"}  # waits on this rank's words
+    if kind in own:
+        return f"gcmoe-comm rank {rank}: timed out waiting on {own[kind]} ({what}): wanted {want}, saw {seen}. {tail}"
+    return f"gcmoe-comm rank {rank}: timed out waiting on rank {who}'s {what}: wanted {want}, saw {seen}. {tail}"
 
 
 def bad_input_message(bad: list[int], num_experts: int) -> str | None:
