@@ -17,10 +17,15 @@ def _ptx_ops(ptx: str) -> Counter:
     return Counter(re.findall(r"^\s+((?:ld|st|atom|match|fence|nanosleep)[\w.]*)", ptx, re.M))
 
 
+def _first_global(ptx: str) -> int:
+    """Where the first global-memory access of a kernel is."""
+    return re.search(r"^\s+(?:ld|st|atom)\.(?!param|shared)", ptx, re.M).start()
+
+
 @pytest.mark.parametrize("model, p, bm, shared", [("deepseek-v3", 8, 16, 1), ("glm-4.5", 4, 8, 0)])
 def test_comm_kernels_compile_with_the_protocol_instructions(model, p, bm, shared):
     cfg = MoEConfig.from_model(model, ep_size=p, max_tokens_per_rank=256)
-    ks = compiled(CommShape(RingSpec.from_config(cfg, bm), 16, 16, shared), "sm_90a")
+    ks = compiled(CommShape(RingSpec.from_config(cfg, bm), shared), "sm_90a")
     names = ("ready", "publish", "dispatch", "finalize")
     ready, publish, dispatch, finalize = (_ptx_ops(ks[n].ptx) for n in names)
     assert ready["st.release.sys.global.u32"] == 1 and ready["fence.acq_rel.sys"] == 1  # READY = g
@@ -38,10 +43,17 @@ def test_comm_kernels_compile_with_the_protocol_instructions(model, p, bm, share
     assert finalize["ld.acquire.sys.global.u32"] >= 1 and finalize["st.release.sys.global.u32"] == 1  # reset
     assert finalize["atom.acq_rel.gpu.global.add.u32"] == 1  # last-CTA detection
     assert finalize["ld.acquire.gpu.global.u32"] == 1 and finalize["st.release.gpu.global.u32"] == 1  # INUSE
+    # PDL: dispatch launches while publish runs and waits for it before it reads anything, and lets W1 launch after
+    # ranking the routing (before the row pulls: the L1_FULL releases follow); finalize waits for W2 before its reads
+    assert "griddepcontrol.launch_dependents" in ks["publish"].ptx
+    dptx, fptx = ks["dispatch"].ptx, ks["finalize"].ptx
+    assert dptx.index("griddepcontrol.wait") < _first_global(dptx)
+    assert dptx.index("match.any") < dptx.index("griddepcontrol.launch_dependents") < dptx.rindex("st.release.gpu")
+    assert fptx.index("griddepcontrol.wait") < _first_global(fptx)
     for name, k in ks.items():
         res = k.resources()
         assert res["LOCAL"] == 0 and res["STACK"] == 0, (name, res)
-    one = compiled(CommShape(RingSpec.from_config(cfg.replace(ep_size=1), bm), 16, 16, shared), "sm_90a")
+    one = compiled(CommShape(RingSpec.from_config(cfg.replace(ep_size=1), bm), shared), "sm_90a")
     one_dispatch = _ptx_ops(one["dispatch"].ptx)  # P = 1: every signal is this GPU's own (gpu scope, no sys fences)
     assert one_dispatch["ld.acquire.gpu.global.u32"] >= 1 and one_dispatch["ld.acquire.sys.global.u32"] == 0
     sass = ks["dispatch"].sass()

@@ -57,6 +57,8 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
     if cfg.ring:  # bounded acquires of the comm signals: acquire loads polled against %globaltimer, a nanosleep
         assert any(o.startswith("LDG.E.STRONG.GPU") for o in ops) and "NANOSLEEP" in ops
         assert any(o.startswith("CS2R") for o in ops) or "S2UR" in ops
+        if cfg.pdl and mode == "w1":  # the ring's tags, not the grid dependency, order W1's reads
+            assert "griddepcontrol.wait" not in kern.ptx and "griddepcontrol.launch_dependents" in kern.ptx
     if mode == "w2":  # bf16 stores at addresses from the combine peer table, not through a tensor of the output
         assert any(o.startswith("STG.E.U16") for o in ops)
     # the WGMMAs are pipelined: one wait per window (8 QGMMAs, 4 with 4 warpgroups) and the drain, not one after each

@@ -1,6 +1,6 @@
 """Host side of one rank's comm kernels: argument checks, the launches, and the workspace they share.
 
-    rank = CommRank(ws, dispatch_ctas=16)           # ws: Workspace.virtual(...)[r] or Workspace.symmetric(...)
+    rank = CommRank(ws)                             # ws: Workspace.virtual(...)[r] or Workspace.symmetric(...)
     rank.load()                                     # compile + load every kernel now (before any cross-rank wait)
     rank.publish(x, topk_ids, topk_weights)         # one kernel: take the workspace, quantise + publish, READY
     rank.dispatch()                                 # role1: pull routed tokens into this rank's ring
@@ -11,6 +11,11 @@
 
 Every step enqueues on the current stream (capturable: no host sync, no allocation in dispatch/finalize).
 The bound on each wait is timeout_ms (GCMOE_COMM_TIMEOUT_MS by default).
+Grids: publish a warp per 128-value group; dispatch a CTA per ring block the call can fill (dispatch_grid), finalize
+a thread per 16 output bytes (finalize_grid), each at most the SM count unless given (dispatch_ctas / finalize_ctas
+fix them). Dispatch and finalize are programmatic dependent launches: dispatch launches while publish runs and waits
+for it (griddepcontrol.wait) before reading anything, then lets the next kernel launch (the layer's W1, which acquires
+the ring by its tags); finalize launches in W2's tail and waits for W2 the same way.
 
 Tickets: every call takes the workspace under a ticket (a process-wide unique int the publish and finalize of one
 call share; a captured call keeps its ticket in every replay — CUDA never runs two launches of one graph at once).
@@ -47,14 +52,14 @@ class CommRank:
     def __init__(
         self,
         ws: Workspace,
-        dispatch_ctas: int = 16,
-        finalize_ctas: int = 16,
+        dispatch_ctas: int | None = None,
+        finalize_ctas: int | None = None,
         shared_rows: int = 0,
         timeout_ms: float | None = None,
     ):
         spec = ws.spec
         for name, v in (("dispatch_ctas", dispatch_ctas), ("finalize_ctas", finalize_ctas)):
-            if not 1 <= v <= 1024:
+            if v is not None and not 1 <= v <= 1024:
                 raise ValueError(f"CommRank: {name} = {v} must be in [1, 1024]")
         if shared_rows < 0:
             raise ValueError(f"CommRank: shared_rows = {shared_rows} must be >= 0")
@@ -86,7 +91,7 @@ class CommRank:
 
             from .kernels import CommShape, compiled
 
-            shape = CommShape(self.ws.spec, self.dispatch_ctas, self.finalize_ctas, self.shared_rows)
+            shape = CommShape(self.ws.spec, self.shared_rows)
             self._kernels = compiled(shape, target_arch(self.ws.buf.device.index))
             i64 = cutlass_modules()[0].Int64  # a plain Python int would be passed as a 32-bit parameter
             self._i64 = i64
@@ -111,14 +116,36 @@ class CommRank:
         with self.ws.warmup():
             k["ready"](self._base_arg, 0, self._stream())
             k["publish"](self._base_arg, z, z, z, z, z, z, 0, 0, 1, 1, self._stream())
-            k["dispatch"](self._peer_args, self.ws.rank, self._timeout_arg, self._stream())
-            k["finalize"](self._peer_args, self.ws.rank, z, 0, z, self._timeout_arg, 1, z, self._stream())
+            k["dispatch"](self._peer_args, self.ws.rank, self._timeout_arg, 1, self._stream())
+            k["finalize"](self._peer_args, self.ws.rank, z, 0, z, self._timeout_arg, 1, z, 1, self._stream())
 
     def publish_ctas(self, tokens: int) -> int:
         """Publish CTAs for T tokens: a warp per 128-value group, grid-stride, at most 8 per SM."""
         s = self.ws.spec
         self.kernels  # noqa: B018  (reads the SM count)
         return max(1, min(-(-tokens * (s.hidden // 128) // 8), 8 * self._sms))
+
+    def dispatch_grid(self, tokens: int, cap: int | None = None) -> int:
+        """Dispatch CTAs for calls of up to `tokens` tokens on every rank: one per ring block the call can fill (CTA c
+        pulls blocks c, c + C, ...; each CTA also ranks all the routing, which is cheap), at most `cap` (default: the
+        SM count); dispatch_ctas given: that."""
+        if self.dispatch_ctas is not None:
+            return self.dispatch_ctas
+        s = self.ws.spec
+        self.kernels  # noqa: B018  (reads the SM count)
+        rows = s.ranks * tokens * s.slots  # at most: every routed slot of every rank lands here
+        blocks = min(s.ring_experts, rows) + -(-rows // s.bm)  # each expert's rows padded to BM
+        return max(1, min(blocks, cap or self._sms))
+
+    def finalize_grid(self, tokens: int) -> int:
+        """Finalize CTAs for `tokens` output rows: a thread per 16 output bytes, at most the SM count;
+        finalize_ctas given: that."""
+        if self.finalize_ctas is not None:
+            return self.finalize_ctas
+        from .kernels import THREADS
+
+        self.kernels  # noqa: B018  (reads the SM count)
+        return max(1, min(-(-tokens * (self.ws.spec.hidden // 8) // THREADS), self._sms))
 
     def publish(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ticket: int | None = None
@@ -171,16 +198,24 @@ class CommRank:
         self._ntok = ntok
         self.kernels["ready"](self._base_arg, ntok, self._stream())
 
-    def dispatch(self) -> None:
+    def dispatch(self, ctas: int | None = None) -> None:
+        """Role 1 on the current stream: `ctas` CTAs (default: dispatch_grid of the last publish's T)."""
         k = self.kernels["dispatch"]
-        k(self._peer_args, self.ws.rank, self._timeout_arg, self._stream())
+        t = self._ntok if self._ntok >= 0 else self.ws.spec.max_tokens
+        n = ctas or self.dispatch_grid(t)
+        k(self._peer_args, self.ws.rank, self._timeout_arg, n, self._stream())
 
     def finalize(
-        self, out: torch.Tensor | None = None, shared_rows: torch.Tensor | None = None, status: int = 0
+        self,
+        out: torch.Tensor | None = None,
+        shared_rows: torch.Tensor | None = None,
+        status: int = 0,
+        ctas: int | None = None,
     ) -> torch.Tensor | None:
         """Tell every rank my W2 rows for it landed (the W2 launch must precede this on the stream), wait for every
         rank's, then out[t] = bf16(fp32 sum of combine rows t*(k+S) .. t*(k+S)+k+S-1, then shared_rows[t, 0..]) for
-        this call's T, and free the workspace. out=None (slot path): the output pointer and T published with READY."""
+        this call's T, and free the workspace. out=None (slot path): the output pointer and T published with READY.
+        ctas: the grid (default: finalize_grid of T; the slot path's default sizes it for max_tokens)."""
         s = self.ws.spec
         t = self._ntok
         if out is not None:
@@ -212,6 +247,7 @@ class CommRank:
             self._timeout_arg,
             self._ticket,
             i64(status),
+            ctas or self.finalize_grid(t if t >= 0 else s.max_tokens),
             self._stream(),
         )
         return out

@@ -11,7 +11,8 @@ One call on rank r (generation g = the call count since the last recover), each 
                into it just before replaying the graph, so one captured graph serves every eager call; the last CTA
                mirrors the calls consumed (SEQ) and BAD to the host's status words)
                (ready: the READY signal alone, for buffers filled elsewhere)
-    dispatch   C CTAs on the comm partition:
+    dispatch   C CTAs (the launch's grid; comm.CommRank.dispatch_grid), a programmatic dependent launch after publish:
+                 0. griddepcontrol.wait (publish has finished) before anything is read
                  1. thread q < P acquires peer q's READY == g (bounded), reads its NTOK
                  2. every CTA: peers' ids -> smem (ring expert or -1: routed ids of this rank's experts, and the
                     shared ids only from this rank's own tokens), counts[q][e] by smem atomics
@@ -19,14 +20,18 @@ One call on rank r (generation g = the call count since the last recover), each 
                     ranks < q (the (expert, src rank, token, slot) order of gcmoe_core.multirank); CTA 0 writes
                     offsets and counts, then release(gpu) OFFS = g — what W1 and W2 acquire before reading them
                  4. one warp per source rank ranks its entries 32 at a time (match.any + lanemask_lt): deterministic
-                    row of every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA b mod C)
+                    row of every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA b mod C); then
+                    the CTA lets W1 launch (griddepcontrol.launch_dependents): past this point it reads published
+                    buffers only for blocks whose L1_FULL tag W1 acquires, so a finished W1 tile implies them read
                  5. per owned block: one warp per row pulls x (16-byte loads from the peer), the scales (into the
                     transposed sxT), the routing weight, and writes src and dst (the source rank's combine row);
                     padding rows get src = -1 and dst = the sink row (their payload is not written: the GEMMs never
                     store a padding column); then release(gpu) L1_FULL[b] = g — the tag W1 acquires
     [W1, W2]   the compute partition (gcmoe-gemm-sm90): W1 acquires OFFS and each block's L1_FULL; W2 scatters row i
                to rank src[i,0]'s combine row src[i,1] * (k + S) + src[i,2] through the combine peer table
-    finalize   F CTAs: CTA 0 first tells every rank q its rows for q landed (atom.add.release.sys q.RECV[g & 1]; the
+    finalize   F CTAs (comm.CommRank.finalize_grid), a programmatic dependent launch in W2's tail that waits for W2
+               (griddepcontrol.wait) before anything else: CTA 0 first tells every rank q its rows for q landed
+               (atom.add.release.sys q.RECV[g & 1]; the
                W2 launch before it on the stream has finished); then each CTA acquires RECV[g & 1] == P (bounded);
                y[t] = bf16(sum_j combine[t (k+S) + j] (+ shared rows), fp32, slot order =
                gcmoe_core.reference.combine_slots); the last CTA resets RECV[g & 1] for call g + 2, sets CGEN = g and
@@ -112,8 +117,6 @@ class CommShape:
     """What a compiled set of comm kernels is specialised on."""
 
     spec: RingSpec
-    dispatch_ctas: int
-    finalize_ctas: int
     shared_rows: int  # shared-expert rows finalize adds from a separate tensor (0: none; the layer's ride the ring)
 
 
@@ -128,7 +131,7 @@ class CommKernels:
         self.KR, self.SH, self.K = s.top_k, s.shared, s.slots  # routed slots, shared slots, published slots
         self.REL, self.E = s.ring_experts, s.num_experts
         self.H, self.HS, self.CAP = s.hidden, s.hidden // 128, s.capacity
-        self.C, self.F, self.S = shape.dispatch_ctas, shape.finalize_ctas, shape.shared_rows
+        self.S = shape.shared_rows
         self.o = {k: v for k, v in lay.offsets.items()}
         # the scope of the cross-rank signals: other GPUs (sys) for P > 1; one GPU's own workspace for P = 1
         self.SCOPE = "sys" if s.ranks > 1 else "gpu"
@@ -236,6 +239,8 @@ class CommKernels:
         nctas, _, _ = cute.arch.grid_dim()
         warp = tid // 32
         lane = tid % 32
+        # dispatch (PDL) may launch now: it waits for this whole grid (griddepcontrol.wait) before reading anything
+        cute.arch.griddepcontrol_launch_dependents()
         st = SmemAllocator().allocate(self.publish_shared)
         sflag = st.flag.get_tensor(cute.make_layout(4))
         sarg = st.arg.get_tensor(cute.make_layout(4))
@@ -364,10 +369,13 @@ class CommKernels:
     # ---------------------------------------------------------------- dispatch
     @cute.kernel
     def k_dispatch(self, peers: tuple, rank: Int32, timeout_ns: Int64):
-        P, TM, K, EL, REL, BM, C = self.P, self.TM, self.K, self.EL, self.REL, self.BM, self.C
+        P, TM, K, EL, REL, BM = self.P, self.TM, self.K, self.EL, self.REL, self.BM
         H, HS, CAP, o = self.H, self.HS, self.CAP, self.o
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        C, _, _ = cute.arch.grid_dim()
+        # PDL: launched while publish runs; nothing of the call is read before publish has finished (GEN included)
+        cute.arch.griddepcontrol_wait()
         warp = tid // 32
         lane = tid % 32
 
@@ -486,6 +494,10 @@ class CommKernels:
                         scur[q * REL + e] = scur[q * REL + e] + cute.arch.popc(peers_mask)
                     cute.arch.sync_warp()
             cute.arch.sync_threads()
+            # W1 (PDL) may launch once every CTA is here: it acquires OFFS and each block's L1_FULL, so it streams
+            # weights beside the row pulls below; a CTA past this point reads the peers' rows only for blocks whose
+            # tags W1 acquires, so a finished call leaves no dispatch CTA still reading published buffers
+            cute.arch.griddepcontrol_launch_dependents()
             # 5. pull the rows of the owned blocks, then tag each block with the generation
             nblk = soff[REL] // BM
             for b in cutlass.range(cta, nblk, C, unroll=1):
@@ -527,9 +539,13 @@ class CommKernels:
                     st_release_u32(own + SIG_L1_FULL * 4 + Int64(b) * 4, g, "gpu")
 
     @cute.jit
-    def dispatch(self, peers: tuple, rank: Int32, timeout_ns: Int64, stream: cuda.CUstream):
+    def dispatch(self, peers: tuple, rank: Int32, timeout_ns: Int64, nctas: Int32, stream: cuda.CUstream):
         self.k_dispatch(peers, rank, timeout_ns).launch(
-            grid=[self.C, 1, 1], block=[THREADS, 1, 1], smem=self.dispatch_shared.size_in_bytes(), stream=stream
+            grid=[nctas, 1, 1],
+            block=[THREADS, 1, 1],
+            smem=self.dispatch_shared.size_in_bytes(),
+            stream=stream,
+            use_pdl=True,
         )
 
     # ---------------------------------------------------------------- finalize (+ the combined signal)
@@ -545,9 +561,13 @@ class CommKernels:
         ticket: Int32,
         status: Int64,
     ):
-        K, H, S, F, P = self.K, self.H, self.S, self.F, self.P
+        K, H, S, P = self.K, self.H, self.S, self.P
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        F, _, _ = cute.arch.grid_dim()
+        # PDL: launched in W2's tail (W2 lets its dependents launch early); W2 has finished, its scatter visible,
+        # before anything below
+        cute.arch.griddepcontrol_wait()
 
         st = SmemAllocator().allocate(self.finalize_shared)
         speer = st.peer.get_tensor(cute.make_layout(P))
@@ -641,10 +661,15 @@ class CommKernels:
         timeout_ns: Int64,
         ticket: Int32,
         status: Int64,
+        nctas: Int32,
         stream: cuda.CUstream,
     ):
         self.k_finalize(peers, rank, out, ntok, shared, timeout_ns, ticket, status).launch(
-            grid=[self.F, 1, 1], block=[THREADS, 1, 1], smem=self.finalize_shared.size_in_bytes(), stream=stream
+            grid=[nctas, 1, 1],
+            block=[THREADS, 1, 1],
+            smem=self.finalize_shared.size_in_bytes(),
+            stream=stream,
+            use_pdl=True,
         )
 
 
@@ -670,7 +695,9 @@ def compiled(shape: CommShape, arch: str) -> dict:
             arch=arch,
             name=f"comm_publish_{tag}",
         ),
-        "dispatch": compile_kernel(k.dispatch, peers, Int32(0), i64, stream, arch=arch, name=f"comm_dispatch_{tag}"),
+        "dispatch": compile_kernel(
+            k.dispatch, peers, Int32(0), i64, Int32(1), stream, arch=arch, name=f"comm_dispatch_{tag}"
+        ),
         "finalize": compile_kernel(
             k.finalize,
             peers,
@@ -681,6 +708,7 @@ def compiled(shape: CommShape, arch: str) -> dict:
             i64,
             Int32(1),
             i64,
+            Int32(1),
             stream,
             arch=arch,
             name=f"comm_finalize_{tag}",

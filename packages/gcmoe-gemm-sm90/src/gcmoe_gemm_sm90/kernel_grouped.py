@@ -32,6 +32,11 @@ adds them in split order (deterministic) and runs the epilogue.
 PDL (cfg.pdl): W1 waits for its producer (griddepcontrol.wait) before reading anything; W2 bulk-copies its first
 stages' weights (which no earlier kernel writes) before waiting for W1, so its CTAs stream weights in W1's tail. Both
 let their dependents launch right after their own wait (so a dependent may read what was written before its producer).
+In ring mode W1 does not wait for its producer at all (gcmoe-comm's dispatch, which lets W1 launch once it has ranked
+the routing and published OFFS): what it reads from dispatch is behind the OFFS / L1_FULL tags. W1 lets W2 launch once
+every W1 CTA has read its row layout, so a W1 CTA without rows touches nothing of the call afterwards and every other
+one is awaited by W2: a finished W2 grid leaves no W1 or dispatch CTA that can still read or write this call's
+state (the launch after the layer's finalize, which waits for W2, never races them).
 
 Ring mode (cfg.ring, the operator's path beside gcmoe-comm's dispatch on the other partition): each CTA first
 acquires INUSE == ticket (its call holds the workspace), reads g = CGEN + 1 and acquires OFFS == g (dispatch wrote
@@ -253,13 +258,12 @@ class GroupedGemmSm90:
         ssx = st.ssx.get_tensor(ssx_layout)  # [window, token column] of the current N tile
         sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
 
-        if cutlass.const_expr(self.cfg.pdl and self.is_w1):
+        if cutlass.const_expr(self.cfg.pdl and self.is_w1 and not self.cfg.ring):
             # programmatic dependent launch: W1's rows, scales and counts may come from the kernel just before it
+            # (ring mode acquires them by their tags instead, and waits for its predecessor at the end)
             cute.arch.griddepcontrol_wait()
         # ring mode: this call holds the workspace and dispatch published the ring's layout (sflag[0]: ok, [1]: g)
         ok, gen = self.acquire_ring(sig, ticket, timeout_ns, sflag, tidx, ks)
-        if cutlass.const_expr(self.cfg.pdl and self.is_w1):
-            cute.arch.griddepcontrol_launch_dependents()
         # grid row ey runs the ey-th expert with rows: the CTAs of empty experts come last in launch order, after
         # every CTA with work (W2: the counts were written before W1, which let W2 launch only after its own acquire)
         e_found = ey  # (cfg.active_first off: grid row y runs expert y)
@@ -274,6 +278,10 @@ class GroupedGemmSm90:
             count = cnt[e]
             row_base = offs[e]
         n_tiles = (count + n_tile - 1) // n_tile
+        if cutlass.const_expr(self.cfg.pdl and self.is_w1):
+            # W2 may launch once every W1 CTA has read the row layout: a CTA without rows reads and writes nothing
+            # of the call after this, one with rows is awaited by W2 (W1_DONE or the grid dependency)
+            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.expert_sync and self.is_w1):
             if tidx == 0:  # for release_expert after the tiles (kept in shared memory, not in registers over the loop)
                 sflag[2] = e

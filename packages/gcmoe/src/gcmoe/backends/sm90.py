@@ -206,7 +206,7 @@ class Lane:
                 self.ws = Workspace.symmetric(spec, plan.group)  # collective (a world-size-1 group: P = 1)
             else:
                 self.ws = Workspace.virtual(spec, dev)[0]
-            self.comm = CommRank(self.ws, dispatch_ctas=16, finalize_ctas=16, timeout_ms=plan.timeout_ms)
+            self.comm = CommRank(self.ws, timeout_ms=plan.timeout_ms)  # grids sized per bucket (_enqueue)
             v = self.ws.views
             rows, inter = spec.capacity, cfg.intermediate_size
             self.hq = torch.zeros(rows, inter, dtype=torch.uint8, device=dev)
@@ -298,19 +298,24 @@ class Lane:
         if probe is not None:
             from gcmoe_greenctx.kernel_smid import record_smids
 
+        comm_sms = plan.policy.mode_for(bucket)
+        # grids for the bucket: dispatch a CTA per ring block it can fill (on a partition: 2 per comm SM at most),
+        # finalize a thread per 16 output bytes
+        dispatch_ctas = self.comm.dispatch_grid(bucket, 2 * comm_sms or None)
+        finalize_ctas = self.comm.finalize_grid(bucket)
+
         def dispatch():
             publish()
-            self.comm.dispatch()
+            self.comm.dispatch(dispatch_ctas)
             if probe is not None:
                 record_smids(probe[0], 20_000)
 
         def finalize():
-            self.comm.finalize(out, status=status)
+            self.comm.finalize(out, status=status, ctas=finalize_ctas)
             if probe is not None:
                 record_smids(probe[1], 20_000)
 
         roles = RoleNodes(dispatch, lambda: self._gemms(kcfg, ticket), finalize)
-        comm_sms = plan.policy.mode_for(bucket)
         if comm_sms == 0:
             for role in (roles.dispatch, roles.compute, roles.finalize):
                 role()
