@@ -31,8 +31,8 @@ One call on rank r (generation g = the call count since the last recover), each 
                to rank src[i,0]'s combine row src[i,1] * (k + S) + src[i,2] through the combine peer table
     finalize   F CTAs (comm.CommRank.finalize_grid), a programmatic dependent launch in W2's tail that waits for W2
                (griddepcontrol.wait) before anything else: CTA 0 first tells every rank q its rows for q landed
-               (atom.add.release.sys q.RECV[g & 1]; the
-               W2 launch before it on the stream has finished); then each CTA acquires RECV[g & 1] == P (bounded);
+               (atom.add.release.sys q.RECV[g & 1]; W2 has finished); then each CTA acquires RECV[g & 1] == P
+               (bounded);
                y[t] = bf16(sum_j combine[t (k+S) + j] (+ shared rows), fp32, slot order =
                gcmoe_core.reference.combine_slots); the last CTA resets RECV[g & 1] for call g + 2, sets CGEN = g and
                frees INUSE. A failed call (ERR set) writes NaN rows instead, so its output is never silently wrong.
