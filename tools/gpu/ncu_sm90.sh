@@ -1,15 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute counters of one EP8 rank's W1 and W2 launches (tools/gpu/ncu_sm90.py), on the H200:
 #   bash tools/gpu/ncu_sm90.sh MODEL TOKENS > log      (after the CuTe DSL install; PYTHONPATH as in run.sh)
-# Time, DRAM bytes and throughput, SM-active cycles against elapsed (ramp-up and wave tails), instruction issue,
-# the ALU / FMA / tensor (GMMA) pipes and the warp stall reasons per issued instruction.
+# The metrics: ncu_metrics.sh.
 set -uo pipefail
-metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
-metrics+=,sm__cycles_active.avg,sm__cycles_elapsed.avg,smsp__issue_active.avg.pct_of_peak_sustained_active
-metrics+=,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active
-metrics+=,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active
-metrics+=,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active
-metrics+=,smsp__warps_active.avg.per_cycle_active,smsp__inst_executed.sum
-metrics+=,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio
+. "$(dirname "$0")/ncu_metrics.sh"
 exec ncu --kernel-name regex:cutlass --launch-skip 2 --launch-count 2 --metrics "$metrics" \
     python3 tools/gpu/ncu_sm90.py "$@"

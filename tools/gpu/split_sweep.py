@@ -3,6 +3,7 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
 
     --sweep splits       other (W1, W2) K splits (at small T; each with expert_sync where its W1 is unsplit)
     --sweep expert_sync  W2 per expert after its W1 tiles (W1_DONE tags) vs after the whole W1 grid
+    --sweep stream_k     the chosen config vs W1 unsplit vs W1 stream_k (equal window ranges per CTA slot)
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2] [--out DIR]
 """
@@ -16,13 +17,13 @@ import torch
 
 import gcmoe
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.testing import make_tokens, make_weights
+from gcmoe_core.testing import calc_diff, make_tokens, make_weights
 from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
 from gcmoe_gemm_sm90.config import can_implement, with_splits
 from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--sweep", choices=("splits", "expert_sync"), default="splits")
+ap.add_argument("--sweep", choices=("splits", "expert_sync", "stream_k"), default="splits")
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
 ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2])
@@ -39,12 +40,15 @@ for model in args.models:
     for t in args.tokens:
         chosen = moe.config_for(t, cfg.top_k)
         x, ids, w = make_tokens(cfg, t, "uniform", t, device="cuda")
-        graphs, layers = {}, []
+        graphs, outs, layers = {}, {}, []
         if args.sweep == "splits":
             variants = {
                 "chosen" if sp is chosen.splits else f"split{sp[0]}{sp[1]}": with_splits(chosen, sp, h, i)
                 for sp in [chosen.splits, *(divmod(int(x), 10) for x in args.splits)]
             }
+        elif args.sweep == "stream_k":
+            unsplit = with_splits(replace(chosen, stream_k=False), (1, chosen.splits[1]), h, i)
+            variants = {"chosen": chosen, "w1_unsplit": unsplit, "stream_k": replace(unsplit, stream_k=True)}
         else:
             variants = {
                 "expert_sync": replace(chosen, expert_sync=True),
@@ -57,8 +61,13 @@ for model in args.models:
             layer = gcmoe.MoELayer(cfg, "cuda", "sm90", kernel_config=kcfg).load(weights)
             layers.append(layer)
             fn = lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w)
-            graphs[name] = capture_graph(fn, warmup=2, stream=torch.cuda.Stream())[0]
+            graphs[name], outs[name] = capture_graph(fn, warmup=2, stream=torch.cuda.Stream())
         times = time_interleaved(graphs, args.iters, l2_flush="read")
+        for g in graphs.values():  # every variant's output of the same call against the first's
+            g.replay()
+        torch.cuda.synchronize()
+        first = next(iter(outs.values()))
+        diffs = {f"{name}_calc_diff": calc_diff(y, first) for name, y in outs.items()}
         active = int(torch.unique(ids).numel()) + cfg.num_shared_experts
         floor = fp4_floor_us(h, i, active, bw)
         rec = {
@@ -69,6 +78,7 @@ for model in args.models:
             "floor_us": floor,
         }
         rec.update(times)
+        rec.update(diffs)
         recs.append(rec)
         print(json.dumps(rec), flush=True)
         del layers, graphs

@@ -29,6 +29,12 @@ VARIANTS = [
         for mode, m, k in W1_W2
     ],
     ("w1", 4096, 7168, with_splits(Sm90Config(16, 2, 2, warpgroups=4), (2, 2), 7168, 2048)),
+    # stream_k W1 (equal window ranges per CTA slot) at N 8 / 16, ring mode and prepared rows
+    *[
+        ("w1", 4096, 7168, replace(choose_config(t, 8, 32), splits=(1, 1), stream_k=True, ring=r))
+        for t in (1, 32)
+        for r in (False, True)
+    ],
 ]
 
 
@@ -39,7 +45,7 @@ VARIANTS = [
         str(v)
         if not hasattr(v, "n_tile")
         else f"n{v.n_tile}s{v.stages}p{v.prefetch}o{v.occupancy}ss{v.smem_scales:d}sp{v.splits[0]}{v.splits[1]}"
-        f"{'' if v.warpgroups == 2 else 'wg4'}{'ring' if v.ring else ''}"
+        f"{'' if v.warpgroups == 2 else 'wg4'}{'ring' if v.ring else ''}{'sk' if v.stream_k else ''}"
     ),
 )
 def test_grouped_kernel_sass(mode, m, k, cfg):

@@ -28,7 +28,17 @@ from gcmoe_core.testing import (
 )
 from gcmoe_core.timing import capture_graph
 from gcmoe_gemm_sm90.config import Sm90Config
-from gcmoe_gemm_sm90.ops import MoESm90, RingSync, emulate_w1, emulate_w2, launch_w1, launch_w2, w1, w2
+from gcmoe_gemm_sm90.ops import (
+    MoESm90,
+    RingSync,
+    StreamKScratch,
+    emulate_w1,
+    emulate_w2,
+    launch_w1,
+    launch_w2,
+    w1,
+    w2,
+)
 from gcmoe_gemm_sm90.prepack import unpack_sm90
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sm90]
@@ -70,6 +80,10 @@ VARIANTS = {  # weights by bulk copy into the pipeline's stages (the only weight
     # 4 warpgroups of one 64-row subtile each (512 threads), also with K splits
     "4wg": dict(prefetch=2, warpgroups=4),
     "4wg-split2": dict(prefetch=1, splits=(2, 2), warpgroups=4),
+    # W1 over equal window ranges of every CTA slot: tiles split between CTAs, reduced by the last to arrive (SMALL:
+    # a few dozen units over 2 x SMs CTAs, so every tile is split; prefetch 1: pieces of single windows)
+    "stream-k": dict(prefetch=2, stream_k=True),
+    "stream-k-p1": dict(prefetch=1, stream_k=True),
 }
 
 
@@ -81,6 +95,8 @@ def test_w1_then_w2_match_models(n_tile, routing, variant):
         pytest.skip("K splits are for small token counts (N <= 32): the leader's partial buffers exceed shared memory")
     if "4wg" in variant and n_tile > 64:
         pytest.skip("4 warpgroups hold N <= 64 in 128 registers")
+    if "stream-k" in variant and n_tile > 24:
+        pytest.skip("stream_k is for small token counts (N <= 24)")
     cfg = Sm90Config(n_tile=n_tile, stages=3, **VARIANTS[variant])
     routed = SMALL.replace(num_shared_experts=0)  # the kernels alone: routed experts only
     x, ids, w, weights, _ = make_problem(Case(routed, 37, routing, seed=n_tile), device="cuda")
@@ -115,11 +131,16 @@ def test_cosine_vs_bf16_path():
     assert cosine(y, yb) >= 0.97
 
 
-@pytest.mark.parametrize("splits", [(1, 1), (2, 2)], ids=["no-splits", "k-splits"])
-def test_graph_replays_bitwise_identical_with_new_routing(splits):
+@pytest.mark.parametrize(
+    ("splits", "stream_k"),
+    [((1, 1), False), ((2, 2), False), ((1, 1), True)],
+    ids=["no-splits", "k-splits", "stream-k"],
+)
+def test_graph_replays_bitwise_identical_with_new_routing(splits, stream_k):
     x, ids, w, weights, _ = make_problem(Case(SMALL, 16, "uniform", seed=9), device="cuda")
     prefetch = 2 if splits == (1, 1) else 1  # SMALL's W2 has 2 windows: 2 splits x 1
-    moe = MoESm90.from_weights(weights, Sm90Config(n_tile=16, stages=3, prefetch=prefetch, splits=splits))
+    cfg = Sm90Config(n_tile=16, stages=3, prefetch=prefetch, splits=splits, stream_k=stream_k)
+    moe = MoESm90.from_weights(weights, cfg)
     g, y = capture_graph(lambda: sm90_layer(moe, x, ids, w), warmup=2)
     for seed in range(3):
         nx, nids, nw, _, _ = make_problem(Case(SMALL, 16, ("uniform", "one_expert", "half_empty")[seed], 50 + seed))
@@ -153,6 +174,8 @@ RING_VARIANTS = {
     "n8-global-scales": Sm90Config(n_tile=8, stages=3, prefetch=2, smem_scales=False),
     "n16-split2": Sm90Config(n_tile=16, stages=3, prefetch=1, splits=(2, 2)),
     "n32-4wg": Sm90Config(n_tile=32, stages=3, prefetch=2, warpgroups=4),
+    "n8-stream-k": Sm90Config(n_tile=8, stages=3, prefetch=2, smem_scales=False, stream_k=True),
+    "n16-stream-k-p1": Sm90Config(n_tile=16, stages=3, prefetch=1, stream_k=True),
 }
 
 
@@ -211,6 +234,7 @@ class RingRun:
         self.out = torch.empty(sum(RING_COUNTS), moe.hidden, dtype=torch.bfloat16, device="cuda")
         self.src = torch.zeros(r, 3, dtype=torch.int32, device="cuda")  # every row to "rank 0": out
         self.comb = torch.tensor([self.out.data_ptr()], dtype=torch.int64, device="cuda")
+        self.scratch = StreamKScratch.make(torch.device("cuda"))  # (used where cfg.stream_k)
         self.poison()
 
     def poison(self) -> None:
@@ -222,7 +246,8 @@ class RingRun:
 
     def launch(self, cfg: Sm90Config, ring: RingSync | None) -> None:
         m, a, lay = self.moe, self.acts, self.layout
-        launch_w1(m.w13, a.x_rows, a.sxT, a.route_w, lay.offsets, lay.counts, self.hq, self.hsT, cfg, ring)
+        hq, hsT, sk = self.hq, self.hsT, self.scratch
+        launch_w1(m.w13, a.x_rows, a.sxT, a.route_w, lay.offsets, lay.counts, hq, hsT, cfg, ring, sk)
         launch_w2(m.w2, self.hq, self.hsT, lay.offsets, lay.counts, lay.src_slot, self.src, self.comb, cfg, ring)
 
 
@@ -260,6 +285,7 @@ def test_ring_mode_equals_prepared_rows(variant):
     w1d = sig_w1_done(sig)
     assert sig[w1d:].view(-1, 2).tolist() == [[0, int(c > 0)] for c in RING_COUNTS]
     assert torch.equal(sig[:w1d], before[:w1d]), "ring mode wrote a signal word (ERR?)"
+    assert not run.scratch.counters.any(), "stream_k arrival counters not back to 0"
     hq, hsT, out = ringed
     valid = layout.src_slot >= 0
     _assert_w1_matches_model(hq, hsT, *emulate_w1(unpack_sm90(moe.w13), acts, layout), valid)

@@ -124,6 +124,14 @@ def test_k_splits_stages_and_shared_memory():
     w1 = {n: choose_config(1, k, 20 if n == "glm45" else 32, h, i, 132, 1).splits[0] for n, (k, h, i) in shapes.items()}
     assert w1 == {"v3": 1, "v4": 2, "glm5": 1, "glm45": 2}
     assert all(choose_config(2, k, 32, h, i, 132, 1).splits[0] == 1 for k, h, i in shapes.values())
+    # stream_k W1 exactly where one token's unsplit W1 has 132 < tiles <= 264 (V3 / GLM-5: 144; measured faster there,
+    # slower at two tokens), never with K splits
+    sk = {n: choose_config(1, k, 20 if n == "glm45" else 32, h, i, 132, 1).stream_k for n, (k, h, i) in shapes.items()}
+    assert sk == {"v3": True, "v4": False, "glm5": True, "glm45": False}
+    assert not any(choose_config(t, 8, 32, 7168, 2048, 132, 1).stream_k for t in (2, 8, 32, 256))
+    assert not choose_config(1, 8, 32, 7168, 2048).stream_k  # no shared expert: 128 tiles <= 132 SMs
+    with pytest.raises(ValueError, match="stream_k"):
+        Sm90Config(splits=(2, 1), stream_k=True)
     four = with_splits(one, (4, 4), 7168, 2048)  # more partial buffers in the leader: fewer stages
     assert four.stages < one.stages
     assert "K splits" in can_implement(7168, 1536, 20, Sm90Config(prefetch=2), splits=4)  # 12 windows, 2 x 4

@@ -27,6 +27,12 @@ ring       the kernels run beside gcmoe-comm's dispatch on the token ring (the o
 expert_sync  ring mode: W2's CTAs of an expert start once W1 finished that expert (W1's last M tile of the expert
            releases the workspace's W1_DONE tag of the call) instead of waiting for the whole W1 grid
            (griddepcontrol.wait): with PDL, W2 runs beside W1's tail
+stream_k   W1 only, unsplit: a grid of `ctas` CTAs (the SM slots) over the active tiles' K windows in equal ranges
+           (units of `prefetch` windows, tile-major): a CTA's range covers parts of one or more tiles; a tile split
+           between CTAs is finished by the last to arrive (an acq_rel counter), which adds the others' fp32 partials
+           (global scratch) in CTA order, deterministically. Every SM then streams the same bytes whatever the tile
+           count (at one token per rank: 144 tiles of DeepSeek-V3 over 264 slots leave most SMs one tile; the K
+           split clusters give 288 CTAs, a second wave)
 ring_bm    rows per ring block (gcmoe-comm's BM): the grain of the L1_FULL tags; expert row offsets are multiples
            of it, not of the N tile (the TMA boxes start at any row)
 
@@ -68,6 +74,7 @@ class Sm90Config:
     ring: bool = False
     expert_sync: bool = True
     ring_bm: int = 8
+    stream_k: bool = False
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:
@@ -84,6 +91,8 @@ class Sm90Config:
             raise ValueError("Sm90Config: 4 warpgroups need occupancy 1 (512 threads, <= 128 registers)")
         if self.occupancy not in (1, 2):
             raise ValueError(f"Sm90Config: occupancy must be 1 or 2, got {self.occupancy}")
+        if self.stream_k and self.splits[0] != 1:
+            raise ValueError(f"Sm90Config: stream_k runs W1 unsplit (splits[0] = 1), got {self.splits}")
         if self.ring_bm < 8 or self.ring_bm % 8:
             raise ValueError(f"Sm90Config: ring_bm must be a positive multiple of 8, got {self.ring_bm}")
 
@@ -95,6 +104,7 @@ def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1) -> int:
     stage = n * WINDOW_K + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES
     red = 4 * n * 4 * cfg.warpgroups  # the W1 epilogue's per-warp amax
     fixed = 16 * cfg.stages + 128 + 16 + red + (4 * nw * n if cfg.smem_scales else 4) + 1024 + 128 + 16
+    fixed += 4 * 5 * 8 if cfg.stream_k else 4  # stream_k's table of a CTA's first 8 tiles
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)
 
 
@@ -113,10 +123,10 @@ def choose_config(
     shared: int = 0,
 ) -> Sm90Config:
     """The N tile of n_tile_for the expected rows per expert and its tile_shape; active-first grid rows when fewer than
-    ACTIVE_FIRST_BELOW of the experts are expected to have rows; K splits by the measured rule below, counting the
-    `shared` always-active experts that ride the same launch (at one token per rank the shared expert is one of 9
-    active experts of a DeepSeek-V3 rank: 16 more W1 tiles); as many pipeline stages (<= 8) as the shared memory of
-    the occupancy holds."""
+    ACTIVE_FIRST_BELOW of the experts are expected to have rows; K splits and stream_k by the measured rules below,
+    counting the `shared` always-active experts that ride the same launch (at one token per rank the shared expert is
+    one of 9 active experts of a DeepSeek-V3 rank: 16 more W1 tiles); as many pipeline stages (<= 8) as the shared
+    memory of the occupancy holds."""
     expected = max(1, tokens_per_rank * top_k // max(1, num_experts))
     n_tile = n_tile_for(expected)
     occupancy, warpgroups = tile_shape(n_tile)
@@ -154,7 +164,12 @@ def choose_config(
     for (m, k), sp in zip(((2 * inter, hidden), (hidden, inter)), want):
         ok = [s for s in (1, 2, 4) if can_implement(m, k, num_experts, cfg, splits=s) is None]
         splits.append(sp if sp in ok else ok[0])
-    return with_splits(cfg, (splits[0], splits[1]), hidden, inter)
+    # stream_k W1 where one token's unsplit W1 has more tiles than SMs but fewer than slots (most SMs one tile, some
+    # two): DeepSeek-V3 / GLM-5 at T = 1 (144 tiles), the public layer 1.04-1.09x faster (88.8 vs 97.0 µs, 82.5 vs
+    # 86.0), 0.90-0.96x at T = 2 on four shapes (H200, 2026-11-30, tools/gpu/split_sweep.py --sweep stream_k,
+    # docs/benchmarks/stream-k-h200-2026-11-30.md)
+    stream_k = tokens_per_rank == 1 and splits[0] == 1 and sms < w1_tiles <= slots
+    return with_splits(replace(cfg, stream_k=stream_k), (splits[0], splits[1]), hidden, inter)
 
 
 def n_tile_for(expected: float) -> int:
@@ -188,7 +203,7 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
     unsplit: the layer 1.07-1.15x faster at T = 4-128 on DeepSeek-V3, 1.01-1.14x on V4-Flash at T = 2-128;
     0.965-0.988x where W1 runs in K-split clusters (both models at T = 1, V3 at T = 2), side by side on the H200,
     2026-11-30 (tools/gpu/split_sweep.py --sweep expert_sync, docs/benchmarks/expert-sync-h200-2026-11-30.md)."""
-    cfg = replace(cfg, splits=splits, expert_sync=splits[0] == 1)
+    cfg = replace(cfg, splits=splits, expert_sync=splits[0] == 1, stream_k=cfg.stream_k and splits[0] == 1)
     k_max, s_max = max(hidden, inter), max(splits)
     fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k_max, s_max) <= smem_limit(cfg.occupancy)]
     return replace(cfg, stages=max(fits))

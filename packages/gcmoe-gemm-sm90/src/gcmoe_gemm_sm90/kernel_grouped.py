@@ -63,6 +63,12 @@ Inputs (see ops.py for how they are made):
 Grid [M tiles, E, K splits]: with cfg.active_first, grid row y runs the y-th expert that has rows (a ballot over cnt in
 every warp), so the CTAs of empty experts launch after all CTAs with work (1.04-1.12x at one token per rank, where
 75-80 % of the experts are empty; 0.97-1.0x when nearly all have rows: sm90-grouped-v7); else row y runs expert y.
+stream_k (W1): grid [ctas] (two per SM); the tiles of every expert with rows (experts ascending, N tiles, M tiles:
+locate_tile) times their windows in units of `prefetch` windows, split in equal ranges over the CTAs; a CTA's
+pieces are the tiles its range touches (the first SK_TABLE kept in shared memory); a piece with only part of a tile's
+windows stores its fp32 partials (scratch sig[6]) and counts on the counter of the tile's last CTA (sig[7]); the
+last arriver adds the pieces in CTA order and runs the epilogue (reduce_pieces), and with expert_sync each (N tile,
+M tile) counts once in W1_DONE.
 
 Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
 """
@@ -75,6 +81,7 @@ from gcmoe_core.device_ops import (
     atom_add_u32,
     fence_gpu,
     ld_acquire_u32,
+    ld_relaxed_u32,
     ld_u32,
     record_error,
     st_bf16,
@@ -86,6 +93,7 @@ from gcmoe_core.kernel_helpers import (
     bits_to_f32,
     bulk_copy_g2s,
     cvt_e4m3x2,
+    f32_to_bits,
     fake_epilogue_args,
     fp8_pow2_exponent,
     ld_cluster_u32,
@@ -109,7 +117,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
 Int32, Int64, Float32 = cutlass.Int32, cutlass.Int64, cutlass.Float32
 WINDOW_K = 128
 TILE_M = 256
-SIG_WORDS = 6  # the ring-mode signal addresses: INUSE, CGEN, OFFS, ERR, L1_FULL, W1_DONE
+SK_TABLE = 8  # stream_k: tiles per CTA whose coordinates are kept in shared memory (more: located per load)
+SIG_WORDS = 8  # by-value addresses: ring mode's INUSE, CGEN, OFFS, ERR, L1_FULL, W1_DONE; stream_k's partials, counters
 
 
 class GroupedGemmSm90:
@@ -131,6 +140,7 @@ class GroupedGemmSm90:
         self.subs = 4 // self.wgs  # subtiles per warpgroup
         self.threads = 128 * self.wgs
         self.expert_sync = cfg.ring and cfg.expert_sync  # W1_DONE tags per expert instead of W2's grid-wide wait
+        self.stream_k = cfg.stream_k and self.is_w1  # W1: a grid of `ctas` CTAs over equal window ranges
 
     @cute.jit
     def __call__(
@@ -149,6 +159,7 @@ class GroupedGemmSm90:
         ticket: Int32,
         timeout_ns: Int64,
         num_experts: Int32,
+        ctas: Int32,
         stream: cuda.CUstream,
     ):
         f8 = cutlass.Float8E4M3FN
@@ -178,6 +189,8 @@ class GroupedGemmSm90:
             flag: cute.struct.MemRange[Int32, 8]
             red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
             ssx: cute.struct.MemRange[Float32, self.windows * self.n if self.cfg.smem_scales else 1]
+            # stream_k: the CTA's first SK_TABLE tiles (window record base, first row, expert, N tile, M tile)
+            skt: cute.struct.MemRange[Int32, SK_TABLE * 5 if self.stream_k else 1]
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
             # each stage's window of weights [8 fragments][128 threads][16 B] and scale records [256]
             sW: cute.struct.Align[cute.struct.MemRange[Int32, WINDOW_WEIGHT_BYTES // 4 * self.stages], 128]
@@ -201,10 +214,11 @@ class GroupedGemmSm90:
             sig,
             ticket,
             timeout_ns,
+            num_experts,
             tiled_mma,
             b_smem_staged,
         ).launch(
-            grid=[self.m_tiles, num_experts, self.splits],
+            grid=[ctas, 1, 1] if self.stream_k else [self.m_tiles, num_experts, self.splits],
             block=[self.threads, 1, 1],
             cluster=[1, 1, self.splits] if self.splits > 1 else None,
             use_pdl=self.cfg.pdl,
@@ -231,6 +245,7 @@ class GroupedGemmSm90:
         sig: tuple,
         ticket: Int32,
         timeout_ns: Int64,
+        num_experts: Int32,
         tiled_mma: cute.TiledMma,
         b_smem_staged: cute.ComposedLayout,
     ):
@@ -257,27 +272,59 @@ class GroupedGemmSm90:
         ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1)) if self.cfg.smem_scales else cute.make_layout(1)
         ssx = st.ssx.get_tensor(ssx_layout)  # [window, token column] of the current N tile
         sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
+        skt = st.skt.get_tensor(cute.make_layout((5, SK_TABLE if self.stream_k else 1)))
 
         if cutlass.const_expr(self.cfg.pdl and self.is_w1 and not self.cfg.ring):
             # programmatic dependent launch: W1's rows, scales and counts may come from the kernel just before it
-            # (ring mode acquires them by their tags instead, and waits for its predecessor at the end)
+            # (ring mode acquires them by their tags instead)
             cute.arch.griddepcontrol_wait()
         # ring mode: this call holds the workspace and dispatch published the ring's layout (sflag[0]: ok, [1]: g)
         ok, gen = self.acquire_ring(sig, ticket, timeout_ns, sflag, tidx, ks)
-        # grid row ey runs the ey-th expert with rows: the CTAs of empty experts come last in launch order, after
-        # every CTA with work (W2: the counts were written before W1, which let W2 launch only after its own acquire)
-        e_found = ey  # (cfg.active_first off: grid row y runs expert y)
-        if ok == 0:
-            e_found = Int32(-1)
-        elif cutlass.const_expr(self.cfg.active_first):
-            e_found = self.active_expert(cnt, ey, cute.arch.grid_dim()[1], lane)
-        e = cutlass.max(e_found, 0)
+        # the CTA's work as pieces (see work_piece): the N tiles of one (expert, M tile), or with stream_k a range of
+        # the windows of all tiles; the loads of the pieces in order (see load_coords)
+        e = Int32(0)
         count = Int32(0)
         row_base = Int32(0)
-        if e_found >= 0:
-            count = cnt[e]
-            row_base = offs[e]
-        n_tiles = (count + n_tile - 1) // n_tile
+        npieces = Int32(0)
+        total = Int32(0)  # the CTA's pipeline loads (one window each)
+        u0 = Int32(0)  # stream_k: the CTA's units (depth windows each) [u0, u1) of `units`
+        u1 = Int32(0)
+        units = Int32(0)
+        if cutlass.const_expr(self.stream_k):
+            _, _, _, tiles = self.locate_tile(cnt, Int32(-1), num_experts, lane)
+            if ok == 0:
+                tiles = Int32(0)
+            units = tiles * (nw // depth)
+            ctas = cute.arch.grid_dim()[0]
+            u0 = mt * units // ctas  # (block index x = the CTA's index)
+            u1 = (mt + 1) * units // ctas
+            total = (u1 - u0) * depth
+            if u1 > u0:
+                npieces = (u1 - 1) // (nw // depth) - u0 // (nw // depth) + 1
+            # the table of the CTA's first tiles (each warp locates them, thread 0 writes; read after the barrier
+            # below): what the loads and pieces of those tiles read instead of locating them again
+            for p in cutlass.range(cutlass.min(npieces, SK_TABLE), unroll=1):
+                pe, pnt, pmt, _ = self.locate_tile(cnt, u0 // (nw // depth) + p, num_experts, lane)
+                if tidx == 0:
+                    skt[0, p] = (pe * self.m_tiles + pmt) * self.windows
+                    skt[1, p] = offs[pe] + pnt * n_tile
+                    skt[2, p] = pe
+                    skt[3, p] = pnt
+                    skt[4, p] = pmt
+        else:
+            # grid row ey runs the ey-th expert with rows: the CTAs of empty experts come last in launch order, after
+            # every CTA with work (W2: the counts were written before W1, which let W2 launch only after its acquire)
+            e_found = ey  # (cfg.active_first off: grid row y runs expert y)
+            if ok == 0:
+                e_found = Int32(-1)
+            elif cutlass.const_expr(self.cfg.active_first):
+                e_found = self.active_expert(cnt, ey, cute.arch.grid_dim()[1], lane)
+            e = cutlass.max(e_found, 0)
+            if e_found >= 0:
+                count = cnt[e]
+                row_base = offs[e]
+            npieces = (count + n_tile - 1) // n_tile
+            total = npieces * nw
         if cutlass.const_expr(self.cfg.pdl and self.is_w1):
             # W2 may launch once every W1 CTA has read the row layout: a CTA without rows reads and writes nothing
             # of the call after this, one with rows is awaited by W2 (W1_DONE or the grid dependency)
@@ -290,6 +337,7 @@ class GroupedGemmSm90:
                     sflag[3] = Int32(0)
                 sflag[4] = Int32(sig[5] & 0xFFFFFFFF)
                 sflag[5] = Int32(sig[5] >> 32)
+                sflag[6] = Int32(self.m_tiles)
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom)
@@ -311,12 +359,6 @@ class GroupedGemmSm90:
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
 
-        # TMA partitions of the activation rows: (N, 128) boxes of this expert's rows (from row_base) at (N tile,
-        # window); row_base is a multiple of 8, not of N: the domain offset moves the boxes' origin
-        gX = cute.local_tile(cute.domain_offset((row_base, 0), tma_x), (n_tile, WINDOW_K), (None, None))
-        tXsX, tXgX = cpasync.tma_partition(
-            tma_atom, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gX, 0, 2)
-        )
         # a stage's weights as [word, thread, fragment (wg, subtile, half), stage], its scale records [row, stage]
         sW = st.sW.get_tensor(cute.make_layout((4, 128, 8, self.stages), stride=(1, 4, 512, 4096)))
         sS = st.sS.get_tensor(cute.make_layout((TILE_M, self.stages), stride=(1, TILE_M)))
@@ -345,16 +387,14 @@ class GroupedGemmSm90:
         rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales [row u, sub] of the window in flight
         sx = cute.make_rmem_tensor(ncol, Float32)  # (without smem_scales) its activation scales per token column
 
-        blk0 = (e * self.m_tiles + mt) * self.windows + w_lo  # window-major index of this CTA's first window
         srow0 = 128 * wg + 16 * wwarp + g  # CTA row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
-        # bulk-copy addresses: this tile's window records in global memory, the stages in shared memory
-        w_src = wq.iterator.toint() + cutlass.Int64(blk0) * WINDOW_WEIGHT_BYTES
-        s_src = ws.iterator.toint() + cutlass.Int64(blk0) * WINDOW_SCALE_BYTES
+        # bulk-copy bases: the window records in global memory, the stages in shared memory
+        w_base = wq.iterator.toint()
+        s_base = ws.iterator.toint()
         w_dst = st.sW.data_ptr().toint()
         s_dst = st.sS.data_ptr().toint()
+        lc = (mt, e, row_base, w_lo, u0, num_experts, skt)  # what load_coords needs
 
-        # total pipeline stages of this CTA: n_tiles * nw windows; warp 0 produces, S-1 ahead
-        total = n_tiles * nw
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         prev = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -366,7 +406,8 @@ class GroupedGemmSm90:
             pre = prod.clone()
             for i in cutlass.range_constexpr(self.stages - 1):
                 if i < total:
-                    self.produce_weights(pipe, pre, i, w_src, s_src, w_dst, s_dst)
+                    rec, _, _ = self.load_coords(cnt, offs, lc, i, lane)
+                    self.produce_weights(pipe, pre, rec, w_base, s_base, w_dst, s_dst)
                     pre.advance()
         if cutlass.const_expr(self.expert_sync and not self.is_w1):
             self.acquire_expert(sig, gen, timeout_ns, e, count, tidx)
@@ -375,18 +416,30 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.cfg.pdl and not self.is_w1):
             cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.cfg.ring and self.is_w1):
-            self.acquire_blocks(sig, gen, timeout_ns, row_base, count, tidx)
+            if cutlass.const_expr(self.stream_k):
+                for p in cutlass.range(npieces, unroll=1):  # every expert the CTA's pieces read
+                    pe, _, _, _ = self.locate_tile(cnt, u0 // (nw // depth) + p, num_experts, lane)
+                    self.acquire_blocks(sig, gen, timeout_ns, offs[pe], cnt[pe], tidx)
+            else:
+                self.acquire_blocks(sig, gen, timeout_ns, row_base, count, tidx)
         if warp_idx == 0:
             for _ in cutlass.range_constexpr(self.stages - 1):
                 if issued < total:
-                    self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, w_lo, issued)
+                    _, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
+                    self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                     prod.advance()
                     issued += 1
 
-        for nt in cutlass.range(n_tiles, unroll=1):
+        for piece in cutlass.range(npieces, unroll=1):
+            pe, pmt, pnt, wa, wb, pa = self.work_piece(cnt, piece, e, mt, u0, u1, num_experts, lane, skt)
+            prow = row_base
+            pcount = count
+            if cutlass.const_expr(self.stream_k):
+                prow = offs[pe]
+                pcount = cnt[pe]
             acc0.fill(0.0)
             acc1.fill(0.0)
-            col_base = nt * n_tile
+            col_base = pnt * n_tile
             if cutlass.const_expr(self.cfg.smem_scales):
                 # the tile's activation scales, every window, into shared memory once: no global-load latency
                 # inside the window loop (the previous tile's readers are past the first barrier); columns past the
@@ -398,8 +451,8 @@ class GroupedGemmSm90:
                         wi = i // n_tile
                         c = i - wi * n_tile
                         v = Float32(0.0)
-                        if col_base + c < count:
-                            v = sxT[w_lo + wi, row_base + col_base + c]
+                        if col_base + c < pcount:
+                            v = sxT[w_lo + wi, prow + col_base + c]
                         ssx[wi, c] = v
                 cute.arch.barrier()
             # per window w: wait for window w - 1's WGMMAs, release its stage, refill, promote it; decode subtile 0 of
@@ -407,16 +460,17 @@ class GroupedGemmSm90:
             # (two commit groups). The wait is unconditional and waits for all before any accumulator is read or
             # fragment 0 rewritten: otherwise ptxas serialises every WGMMA (C7513 / C7515, e.g. for a wait under
             # `if w > 0`, or a promote after wait_group(1); the compile test checks the waits per QGMMA).
-            for w0 in cutlass.range(0, nw, depth, unroll=1):
+            for w0 in cutlass.range(wa, wb, depth, unroll=1):
                 for j in cutlass.range_constexpr(depth):
                     w = w0 + j
                     warpgroup.wait_group(0)
-                    if w > 0:
+                    if w > wa:
                         pipe.consumer_release(prev)
                         if warp_idx == 0:
                             if issued < total:
-                                self.produce_weights(pipe, prod, issued, w_src, s_src, w_dst, s_dst)
-                                self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, w_lo, issued)
+                                rec, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
+                                self.produce_weights(pipe, prod, rec, w_base, s_base, w_dst, s_dst)
+                                self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                                 prod.advance()
                                 issued += 1
                         self.promote(acc0, accw0, rs, sx, ssx, w - 1, t0, 0)
@@ -427,8 +481,8 @@ class GroupedGemmSm90:
                         for c in cutlass.range_constexpr(ncol):
                             col = 2 * t0 + (c % 2) + 8 * (c // 2)
                             v = Float32(0.0)
-                            if col_base + col < count:
-                                v = sxT[w_lo + w, row_base + col_base + col]
+                            if col_base + col < pcount:
+                                v = sxT[w_lo + w, prow + col_base + col]
                             sx[c] = v
                     pipe.consumer_wait(cons)
                     self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, j)
@@ -446,21 +500,28 @@ class GroupedGemmSm90:
                     warpgroup.commit_group()
                     prev = cons.clone()
                     cons.advance()
-            # drain the tile: the last window's MMAs, release its stage, promote
+            # drain the piece: the last window's MMAs, release its stage, promote
             warpgroup.wait_group(0)
             pipe.consumer_release(prev)
             if warp_idx == 0:
                 if issued < total:
-                    self.produce_weights(pipe, prod, issued, w_src, s_src, w_dst, s_dst)
-                    self.produce_acts(pipe, prod, tma_atom, tXgX, tXsX, w_lo, issued)
+                    rec, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
+                    self.produce_weights(pipe, prod, rec, w_base, s_base, w_dst, s_dst)
+                    self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                     prod.advance()
                     issued += 1
-            self.promote(acc0, accw0, rs, sx, ssx, nw - 1, t0, 0)
+            self.promote(acc0, accw0, rs, sx, ssx, wb - 1, t0, 0)
             if cutlass.const_expr(self.subs == 2):
-                self.promote(acc1, accw1, rs, sx, ssx, nw - 1, t0, 1)
+                self.promote(acc1, accw1, rs, sx, ssx, wb - 1, t0, 1)
             if cutlass.const_expr(self.splits > 1):
                 self.reduce_splits(acc0, acc1, st.part.data_ptr().toint(), st.part.get_tensor(part_layout), ks, tidx)
+            finish = Int32(0)
             if ks == 0:  # the cluster's leader (every CTA without K splits) finishes the tile
+                finish = Int32(1)
+            if cutlass.const_expr(self.stream_k):
+                if wb - wa < nw:  # a part of the tile's windows: the tile's last piece to arrive finishes it
+                    finish = self.reduce_pieces(acc0, acc1, accw0, accw1, sig, sflag, pa, mt, u0, units, tidx)
+            if finish != 0:
                 if cutlass.const_expr(self.is_w1):
                     self.epilogue_w1(
                         acc0,
@@ -469,26 +530,33 @@ class GroupedGemmSm90:
                         ep_a,
                         ep_b,
                         ep_c,
-                        mt,
+                        pmt,
                         wg,
                         sb,
                         wwarp,
                         g,
                         t0,
-                        row_base + col_base,
-                        count - col_base,
+                        prow + col_base,
+                        pcount - col_base,
                     )
+                    if cutlass.const_expr(self.stream_k and self.expert_sync):
+                        # every (N tile, M tile) of the expert counts once in W1_DONE
+                        if tidx == 0:
+                            sflag[2] = pe
+                            sflag[3] = pcount
+                            sflag[6] = (pcount + n_tile - 1) // n_tile * self.m_tiles
+                        self.release_expert(sig, sflag, tidx)
                 else:
-                    valid = count - col_base
+                    valid = pcount - col_base
                     if cutlass.const_expr(self.cfg.ring):
                         if ld_u32(sig[3]) != 0:  # a wait of this call failed: store nothing
                             valid = Int32(0)
-                    self.epilogue_w2(acc0, acc1, ep_a, ep_b, ep_c, mt, wg, sb, wwarp, g, t0, row_base + col_base, valid)
+                    self.epilogue_w2(acc0, acc1, ep_a, ep_b, ep_c, pmt, wg, sb, wwarp, g, t0, prow + col_base, valid)
             if cutlass.const_expr(self.splits > 1):
-                if nt + 1 < n_tiles:  # the leader has read this tile's partials before they are pushed again
+                if piece + 1 < npieces:  # the leader has read this tile's partials before they are pushed again
                     cute.arch.cluster_arrive()
                     cute.arch.cluster_wait()
-        if cutlass.const_expr(self.expert_sync and self.is_w1):
+        if cutlass.const_expr(self.expert_sync and self.is_w1 and not self.stream_k):
             self.release_expert(sig, sflag, tidx)
 
     @cute.jit
@@ -552,7 +620,8 @@ class GroupedGemmSm90:
         its W2 CTAs acquire. The epilogue's FP8 rows were written by the generic proxy and W2 reads them by TMA (the
         async proxy): every writer fences the proxies before the barrier that precedes the release. A CTA without
         rows (count 0, or a failed acquire) counts nothing: no W2 CTA of that expert waits. Thread 0 left g, e and the
-        count (0 on the other CTAs of a K-split cluster) in sflag[1..3], the W1_DONE address in sflag[4..5]."""
+        count (0 on the other CTAs of a K-split cluster) in sflag[1..3], the W1_DONE address in sflag[4..5], the
+        expert's tiles (M tiles; with stream_k M x N tiles, each counted once) in sflag[6]."""
         cute.arch.fence_proxy("async.global")
         cute.arch.barrier()
         if tidx == 0 and sflag[3] > 0:
@@ -561,7 +630,7 @@ class GroupedGemmSm90:
             done = base + Int64(2 * sflag[2]) * 4
             fence_gpu()
             # acq_rel: the RMWs on one word form a release sequence, so the last one sees every earlier M tile's rows
-            if atom_add_u32(done, 1, "acq_rel", "gpu") == self.m_tiles - 1:
+            if atom_add_u32(done, 1, "acq_rel", "gpu") == sflag[6] - 1:
                 st_u32(done, 0)  # ordered before the tag: the next call's W1 counts from 0 again
                 st_release_u32(done + 4, gen, "gpu")
 
@@ -621,33 +690,31 @@ class GroupedGemmSm90:
         self,
         pipe: pipeline.PipelineTmaAsync,
         prod: pipeline.PipelineState,
-        it: Int32,
-        w_src: cutlass.Int64,
-        s_src: cutlass.Int64,
+        rec: Int32,
+        w_base: cutlass.Int64,
+        s_base: cutlass.Int64,
         w_dst: Int32,
         s_dst: Int32,
     ):
-        """Load `it` of this CTA (N tile it // nw, window w_lo + it % nw), part 1: acquire the next stage (arming its
-        mbarrier for all of its bytes) and bulk-copy the window's weights and scale records into it. Part 2 is
-        produce_acts. Warp 0 runs both whole (the arrive and the TMA elect one lane); the caller advances `prod` (a
-        rebind the DSL must see in the caller's branch)."""
-        nw = self.nwk
-        it_w = it - (it // nw) * nw
+        """A load, part 1: acquire the next stage (arming its mbarrier for all of its bytes) and bulk-copy window
+        record `rec` (weights and scale records; load_coords) into it. Part 2 is produce_acts. Warp 0 runs both whole
+        (the arrive and the TMA elect one lane themselves); the caller advances `prod` (a rebind the DSL must see in
+        the caller's branch)."""
         pipe.producer_acquire(prod)
         bar = pipe.producer_get_barrier(prod).toint()
         with cute.arch.elect_one():
             stage = prod.index
-            w_off = cutlass.Int64(it_w) * WINDOW_WEIGHT_BYTES
-            s_off = cutlass.Int64(it_w) * WINDOW_SCALE_BYTES
+            w_src = w_base + cutlass.Int64(rec) * WINDOW_WEIGHT_BYTES
+            s_src = s_base + cutlass.Int64(rec) * WINDOW_SCALE_BYTES
             # racecheck-ordered: racecheck reports these bulk copies (a write by this thread) against the consumers'
             # reads of the stage in load_window_smem (WAR, the stage's previous window). Ordered by the stage's empty
             # mbarrier: every consumer warp arrives (consumer_release, release semantics) only after its reads, and
             # producer_acquire waits on that barrier (try_wait, acquire) before this copy is issued; the RAW side by
             # the full mbarrier the copy completes (complete_tx) and consumer_wait waits on. racecheck does not model
             # mbarriers (memcheck / synccheck are clean, values exact in every test)
-            bulk_copy_g2s(w_dst + stage * WINDOW_WEIGHT_BYTES, w_src + w_off, WINDOW_WEIGHT_BYTES, bar)
+            bulk_copy_g2s(w_dst + stage * WINDOW_WEIGHT_BYTES, w_src, WINDOW_WEIGHT_BYTES, bar)
             # racecheck-ordered: as above (the stage's empty / full mbarriers)
-            bulk_copy_g2s(s_dst + stage * WINDOW_SCALE_BYTES, s_src + s_off, WINDOW_SCALE_BYTES, bar)
+            bulk_copy_g2s(s_dst + stage * WINDOW_SCALE_BYTES, s_src, WINDOW_SCALE_BYTES, bar)
 
     @cute.jit
     def produce_acts(
@@ -655,18 +722,184 @@ class GroupedGemmSm90:
         pipe: pipeline.PipelineTmaAsync,
         prod: pipeline.PipelineState,
         tma_atom: cute.CopyAtom,
-        tXgX: cute.Tensor,
-        tXsX: cute.Tensor,
-        w_lo: Int32,
-        it: Int32,
+        tma_x: cute.Tensor,
+        sB: cute.Tensor,
+        row0: Int32,
+        w: Int32,
     ):
-        """The activation box of load `it` (N tile it // nw of the expert's rows) into the (acquired) stage by TMA."""
-        nw = self.nwk
-        it_t = it // nw
-        it_w = it - it_t * nw
+        """A load, part 2: the (N, 128) activation box of rows [row0, row0 + N) at window w into the (acquired) stage
+        by TMA (row0 is a multiple of 8, not of N: the domain offset moves the box's origin)."""
+        gX = cute.local_tile(cute.domain_offset((row0, 0), tma_x), (self.n, WINDOW_K), (None, None))
+        tXsX, tXgX = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gX, 0, 2)
+        )
         bar = pipe.producer_get_barrier(prod)
-        cute.copy(tma_atom, tXgX[(None, it_t, w_lo + it_w)], tXsX[(None, prod.index)], tma_bar_ptr=bar)
+        cute.copy(tma_atom, tXgX[(None, 0, w)], tXsX[(None, prod.index)], tma_bar_ptr=bar)
         pipe.producer_commit(prod)
+
+    @cute.jit
+    def load_coords(self, cnt: cute.Tensor, offs: cute.Tensor, lc: tuple, it: Int32, lane: Int32):
+        """Load `it` of this CTA: (window record index, first activation row, window). Without stream_k the CTA's
+        loads are N tile it // nw of its (expert, M tile), window w_lo + it % nw; with stream_k they continue the
+        global window order from the CTA's first unit (tile-major: locate_tile). lc = (M tile or CTA index, expert,
+        its first row, w_lo, u0, experts)."""
+        mt, e, row_base, w_lo, u0, num_experts, skt = lc
+        nw = self.nwk
+        rec = Int32(0)
+        row0 = Int32(0)
+        w = Int32(0)
+        if cutlass.const_expr(self.stream_k):
+            v = u0 * self.prefetch + it
+            a = v // nw
+            w = v - a * nw
+            p = a - u0 // (nw // self.prefetch)  # the CTA's piece of this load
+            if p < SK_TABLE:
+                rec = skt[0, p] + w
+                row0 = skt[1, p]
+            else:
+                pe, pnt, pmt, _ = self.locate_tile(cnt, a, num_experts, lane)
+                rec = (pe * self.m_tiles + pmt) * self.windows + w
+                row0 = offs[pe] + pnt * self.n
+        else:
+            it_t = it // nw
+            it_w = it - it_t * nw
+            w = w_lo + it_w
+            rec = (e * self.m_tiles + mt) * self.windows + w
+            row0 = row_base + it_t * self.n
+        return rec, row0, w
+
+    @cute.jit
+    def work_piece(
+        self,
+        cnt: cute.Tensor,
+        piece: Int32,
+        e: Int32,
+        mt: Int32,
+        u0: Int32,
+        u1: Int32,
+        num_experts: Int32,
+        lane: Int32,
+        skt: cute.Tensor,
+    ):
+        """Piece `piece` of this CTA's work: (expert, M tile, N tile, first window, end window, stream_k tile index).
+        Without stream_k: N tile `piece` of the CTA's (expert, M tile), all its windows. With stream_k: the CTA's
+        windows of tile u0 // units-per-tile + piece (its units [u0, u1) of depth windows each)."""
+        pe, pmt, pnt = e, mt, piece
+        wa = Int32(0)
+        wb = Int32(self.nwk)
+        a = Int32(0)
+        if cutlass.const_expr(self.stream_k):
+            nwu = self.windows // self.prefetch
+            a = u0 // nwu + piece
+            if piece < SK_TABLE:
+                pe, pnt, pmt = skt[2, piece], skt[3, piece], skt[4, piece]
+            else:
+                pe, pnt, pmt, _ = self.locate_tile(cnt, a, num_experts, lane)
+            wa = (cutlass.max(u0, a * nwu) - a * nwu) * self.prefetch
+            wb = (cutlass.min(u1, (a + 1) * nwu) - a * nwu) * self.prefetch
+        return pe, pmt, pnt, wa, wb, a
+
+    @cute.jit
+    def locate_tile(self, cnt: cute.Tensor, a: Int32, num_experts: Int32, lane: Int32):
+        """stream_k's tile order: experts ascending, each expert's N tiles (ceil(count / N)) ascending, each N tile's
+        M tiles ascending. Returns (expert, N tile, M tile) of tile a (expert -1 past the end) and the number of
+        tiles. Every warp computes it on its own: a prefix sum over the counts of 32 experts per step."""
+        found = Int32(-1)
+        nt = Int32(0)
+        mt = Int32(0)
+        before = Int32(0)  # tiles of the experts before this step's 32
+        for base in cutlass.range(0, num_experts, 32, unroll=1):
+            c = Int32(0)
+            if base + lane < num_experts:
+                c = cnt[base + lane]
+            t = (c + self.n - 1) // self.n * self.m_tiles
+            incl = t
+            for d in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, 1 << d)
+                if lane >= (1 << d):
+                    incl = incl + up
+            start = before + incl - t
+            hit = cute.arch.vote_ballot_sync((t > 0) & (start <= a) & (a < start + t))
+            if hit != 0:
+                src = 31 - Int32(cute.arch.clz(hit))
+                off = a - cute.arch.shuffle_sync(start, src)
+                found = base + src
+                nt = off // self.m_tiles
+                mt = off - nt * self.m_tiles
+            before = before + cute.arch.shuffle_sync(incl, 31)
+        return found, nt, mt, before
+
+    @cute.jit
+    def reduce_pieces(
+        self,
+        acc0: cute.Tensor,
+        acc1: cute.Tensor,
+        res0: cute.Tensor,
+        res1: cute.Tensor,
+        sig: tuple,
+        sflag: cute.Tensor,
+        a: Int32,
+        c: Int32,
+        u0: Int32,
+        units: Int32,
+        tidx: Int32,
+    ) -> Int32:
+        """stream_k: this CTA computed some of tile a's windows. Store the partial accumulators into the CTA's slot
+        (2 c, or 2 c + 1 for a tile that started before the CTA's range) of the partials buffer (sig[6]), count the
+        arrival on the counter of the tile's last CTA (sig[7], acq_rel); the last to arrive resets the counter, adds
+        every piece's partials in CTA order (deterministic: the same sum whichever arrives last) into acc and
+        returns 1 (it finishes the tile); the others return 0."""
+        nwu = self.windows // self.prefetch
+        ctas = cute.arch.grid_dim()[0]
+        first = ((a * nwu + 1) * ctas - 1) // units  # the CTA owning the tile's first unit
+        last = ((a + 1) * nwu * ctas - 1) // units  # ... and its last (CTAs between may own no unit: fewer units
+        # than CTAs)
+        accs = (acc0, acc1)[: self.subs]
+        ress = (res0, res1)[: self.subs]
+        nacc = cute.size(acc0)
+        stride = self.subs * nacc * self.threads  # floats per slot
+        slot = 2 * c
+        if u0 < a * nwu:
+            slot = slot + 1
+        for s, acc in enumerate(accs):
+            for i in cutlass.range_constexpr(nacc):
+                at = sig[6] + cutlass.Int64(slot * stride + (s * nacc + i) * self.threads + tidx) * 4
+                st_u32(at, f32_to_bits(acc[i]))
+        cute.arch.barrier()
+        if tidx == 0:
+            fence_gpu()  # the CTA's partials (ordered by the barrier) before the arrival
+            counter = sig[7] + cutlass.Int64(last) * 4
+            done = Int32(0)
+            pieces = Int32(0)
+            for c2 in cutlass.range(first, last + 1, unroll=1):
+                if (c2 + 1) * units // ctas > c2 * units // ctas:
+                    pieces = pieces + 1
+            if atom_add_u32(counter, 1, "acq_rel", "gpu") == pieces - 1:
+                st_u32(counter, 0)  # the next launch counts from 0 again
+                done = Int32(1)
+            sflag[7] = done
+        cute.arch.barrier()
+        done = sflag[7]
+        if done != 0:
+            for res in ress:
+                res.fill(0.0)
+            for c2 in cutlass.range(first, last + 1, unroll=1):
+                start = c2 * units // ctas
+                if (c2 + 1) * units // ctas > start:  # a CTA with units: one piece of the tile
+                    slot2 = 2 * c2
+                    if start < a * nwu:
+                        slot2 = slot2 + 1
+                    for s, acc in enumerate(accs):
+                        for i in cutlass.range_constexpr(nacc):
+                            v = acc[i]
+                            if c2 != c:
+                                at = sig[6] + cutlass.Int64(slot2 * stride + (s * nacc + i) * self.threads + tidx) * 4
+                                v = bits_to_f32(ld_relaxed_u32(at, "gpu"))
+                            ress[s][i] = ress[s][i] + v
+            for s, acc in enumerate(accs):
+                for i in cutlass.range_constexpr(nacc):
+                    acc[i] = ress[s][i]
+        return done
 
     @cute.jit
     def decode_subtile(
@@ -891,7 +1124,8 @@ def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
         Int32(1),
         Int64(0),
         Int32(1),
+        Int32(1),
         crt.make_fake_stream(),
         arch=arch,
-        name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}{'_ring' if cfg.ring else ''}",
+        name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}{'_ring' if cfg.ring else ''}{'_sk' if cfg.stream_k else ''}",
     )

@@ -9,7 +9,8 @@ models of the two kernels. The operator's layer runs in gcmoe (its sm90 backend)
     emulate_w1 / emulate_w2                          # torch models of the kernels' outputs (any device)
 
 ring: a RingSync (the comm workspace's signal addresses, the call's ticket, the wait bound) for the kernels' ring mode
-(Sm90Config.ring); None on prepared rows.
+(Sm90Config.ring); None on prepared rows. scratch: W1's StreamKScratch where cfg.stream_k (owned by the caller: the
+layer's lane; w1() on prepared rows makes one per call).
 """
 
 from __future__ import annotations
@@ -43,6 +44,29 @@ class RingSync:
     timeout_ns: int
 
 
+@dataclass(frozen=True)
+class StreamKScratch:
+    """W1 with cfg.stream_k: fp32 partial accumulators of the tiles split between CTAs (two slots per CTA, 256 x N
+    each) and one arrival counter per CTA (int32, zero between launches: each tile's last arriver resets its own).
+    One launch at a time may use it (the stream orders a lane's launches)."""
+
+    partials: torch.Tensor
+    counters: torch.Tensor
+    ctas: int
+
+    @classmethod
+    def make(cls, device: torch.device, n_tile_max: int = 24) -> StreamKScratch:
+        """For every stream_k config up to N tile n_tile_max, one CTA per SM slot (two per SM) of the device."""
+        ctas = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        partials = torch.empty(2 * ctas * TILE_M * n_tile_max, dtype=torch.float32, device=device)
+        return cls(partials, torch.zeros(ctas, dtype=torch.int32, device=device), ctas)
+
+    def check(self, cfg: Sm90Config) -> None:
+        need = 2 * self.ctas * TILE_M * cfg.n_tile
+        if self.partials.numel() < need or self.counters.numel() < self.ctas:
+            raise ValueError(f"sm90 w1: stream_k scratch has {self.partials.numel()} partials, N {cfg.n_tile}: {need}")
+
+
 _CONSTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -53,7 +77,19 @@ def _lut(dev: torch.device) -> torch.Tensor:
     return _CONSTS[dev]
 
 
-def _launch(mode, packed: PackedSm90, x_rows, sxT, offsets, counts, ep, cfg: Sm90Config, ring: RingSync | None):
+def _launch(
+    mode,
+    packed: PackedSm90,
+    x_rows,
+    sxT,
+    offsets,
+    counts,
+    ep,
+    cfg: Sm90Config,
+    ring: RingSync | None,
+    scratch: StreamKScratch | None = None,
+    sk_ctas: int | None = None,
+):
     import cuda.bindings.driver as cuda
 
     from gcmoe_core.cutedsl import cutlass_modules, target_arch
@@ -70,11 +106,23 @@ def _launch(mode, packed: PackedSm90, x_rows, sxT, offsets, counts, ep, cfg: Sm9
         raise ValueError(f"sm90 {mode}: a RingSync goes with cfg.ring and only with it")
     cutlass = cutlass_modules()[0]
     i64 = cutlass.Int64
+    stream_k = cfg.stream_k and mode == "w1"
+    if cfg.stream_k and not stream_k:
+        cfg = replace(cfg, stream_k=False)  # (a W1 option: W2 compiles as without it)
+    if stream_k:
+        if scratch is None:
+            raise ValueError("sm90 w1: cfg.stream_k needs a StreamKScratch")
+        scratch.check(cfg)
+        sk_ctas = sk_ctas or scratch.ctas
+        if not 1 <= sk_ctas <= scratch.ctas:
+            raise ValueError(f"sm90 w1: stream_k over {sk_ctas} CTAs, the scratch holds 1..{scratch.ctas}")
+    sk = (scratch.partials.data_ptr(), scratch.counters.data_ptr()) if stream_k else (0, 0)
     if ring is None:
-        sig, ticket, timeout = tuple(i64(0) for _ in range(SIG_WORDS)), 0, 0
+        sig, ticket, timeout = tuple(i64(a) for a in (0, 0, 0, 0, 0, 0, *sk)), 0, 0
     else:
-        sig = tuple(i64(a) for a in (ring.inuse, ring.cgen, ring.offs, ring.err, ring.l1_full, ring.w1_done))
+        sig = tuple(i64(a) for a in (ring.inuse, ring.cgen, ring.offs, ring.err, ring.l1_full, ring.w1_done, *sk))
         ticket, timeout = ring.ticket, ring.timeout_ns
+    assert len(sig) == SIG_WORDS
     kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
     wq = packed.data.view(torch.int32).view(-1, 128, 4)
     ws = packed.scales.view(-1, 256)
@@ -91,6 +139,7 @@ def _launch(mode, packed: PackedSm90, x_rows, sxT, offsets, counts, ep, cfg: Sm9
         ticket,
         i64(timeout),
         e,
+        sk_ctas if stream_k else 1,
         cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
     )
 
@@ -106,14 +155,18 @@ def launch_w1(
     hsT: torch.Tensor,
     cfg: Sm90Config,
     ring: RingSync | None = None,
+    scratch: StreamKScratch | None = None,
+    sk_ctas: int | None = None,
 ) -> None:
     """W1 on expert-sorted rows: x_rows uint8 [R, H] (FP8 bits), sxT fp32 [H/128, R], route_w fp32 [R], offsets
-    int32 [E + 1] (multiples of 8), counts int32 [E] -> hq uint8 [R, I] (FP8 bits), hsT fp32 [I/128, R]."""
+    int32 [E + 1] (multiples of 8), counts int32 [E] -> hq uint8 [R, I] (FP8 bits), hsT fp32 [I/128, R].
+    cfg.stream_k: scratch (StreamKScratch) is required; sk_ctas CTAs (default: the scratch's, two per SM) share the
+    windows (two per SM of the partition it runs on)."""
     rows, inter = x_rows.shape[0], packed.m // 2
     if hq.shape != (rows, inter) or hq.dtype != torch.uint8 or hsT.shape != (packed.m // TILE_M, rows):
         raise ValueError(f"sm90 w1: hq / hsT must be uint8 [{rows}, {inter}] / fp32 [{packed.m // TILE_M}, {rows}]")
     ep = (as_cute(route_w, 0, 4), as_cute(hq, 0, 16), as_cute(hsT, 1, 4))
-    _launch("w1", packed, x_rows, sxT, offsets, counts, ep, cfg, ring)
+    _launch("w1", packed, x_rows, sxT, offsets, counts, ep, cfg, ring, scratch, sk_ctas)
 
 
 def launch_w2(
@@ -141,7 +194,8 @@ def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config
     rows, dev = layout.rows, acts.x_rows.device
     hq = torch.empty(rows, packed.m // 2, dtype=torch.uint8, device=dev)
     hsT = torch.empty(packed.m // TILE_M, rows, dtype=torch.float32, device=dev)
-    launch_w1(packed, acts.x_rows, acts.sxT, acts.route_w, layout.offsets, layout.counts, hq, hsT, cfg)
+    scratch = StreamKScratch.make(dev, cfg.n_tile) if cfg.stream_k else None
+    launch_w1(packed, acts.x_rows, acts.sxT, acts.route_w, layout.offsets, layout.counts, hq, hsT, cfg, None, scratch)
     return hq, hsT
 
 

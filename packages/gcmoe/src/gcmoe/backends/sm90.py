@@ -215,6 +215,13 @@ class Lane:
             for q, ptr in enumerate(self.ws.combine_ptrs):  # (no host-to-device copy: legal under a capture too)
                 self.comb[q].fill_(ptr)
             self.ring = (v.ring_x, v.ring_sxT, v.ring_w, v.ring_offsets, v.ring_counts, v.ring_dst, v.ring_src)
+            # W1's stream_k scratch (partials + arrival counters) where a bucket's kernel configuration uses it
+            sk_tiles = [c.n_tile for c in map(plan.kernel_config, _buckets(cfg.max_tokens_per_rank)) if c.stream_k]
+            self.stream_k = None
+            if sk_tiles:
+                from gcmoe_gemm_sm90.ops import StreamKScratch
+
+                self.stream_k = StreamKScratch.make(dev, max(sk_tiles))
             # each eager call's (x, ids, weights, out, T, ids-are-int64): written to a pinned staging slot, copied
             # (async, on the call's stream) into the device argument block the bucket graphs' publish reads
             self.slots = torch.zeros(NSLOTS, SLOT_WORDS, dtype=torch.int64, pin_memory=True)
@@ -259,14 +266,16 @@ class Lane:
             2 * self.comm.timeout_ns,
         )
 
-    def _gemms(self, kcfg, ticket: int) -> None:
-        """W1 then W2 on this lane's ring (ring mode), on the current stream."""
+    def _gemms(self, kcfg, ticket: int, comm_sms: int = 0) -> None:
+        """W1 then W2 on this lane's ring (ring mode), on the current stream; stream_k W1 over two CTAs per SM of the
+        compute partition (all SMs but comm_sms)."""
         from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
 
         x, sxT, rw, offs, cnt, dst, src = self.ring
         sync = self._ring_sync(ticket)
         moe = self.plan.moe
-        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync)
+        sk_ctas = 2 * (self.plan.sm_count - comm_sms)
+        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.stream_k, sk_ctas)
         launch_w2(moe.w2, self.hq, self.hsT, offs, cnt, dst, src, self.comb, kcfg, sync)
 
     def _load_gemms(self, kcfg) -> None:
@@ -315,7 +324,7 @@ class Lane:
             if probe is not None:
                 record_smids(probe[1], 20_000)
 
-        roles = RoleNodes(dispatch, lambda: self._gemms(kcfg, ticket), finalize)
+        roles = RoleNodes(dispatch, lambda: self._gemms(kcfg, ticket, comm_sms), finalize)
         if comm_sms == 0:
             for role in (roles.dispatch, roles.compute, roles.finalize):
                 role()
