@@ -38,6 +38,7 @@ def test_comm_kernels_compile_with_the_protocol_instructions(model, p, bm, share
     assert dispatch["atom.relaxed.sys.global.cas.b32"] == 1  # the error word, first failure wins
     assert dispatch["match.any.sync.b32"] == 1 and dispatch["atom.shared.add.u32"] == 1
     assert dispatch["st.release.gpu.global.u32"] == 2  # OFFS = g, then L1_FULL[b] = g: what W1 acquires
+    assert dispatch["atom.acq_rel.gpu.global.add.u32"] == 1  # RANKED: the last CTA past the routing releases OFFS
     assert dispatch["ld.global.v4.u32"] >= 1 and dispatch["st.global.v4.u32"] >= 1  # 16-byte pulls
     assert finalize["atom.release.sys.global.add.u32"] == 1  # combined: RECV[g & 1] += 1 on every peer
     assert finalize["ld.acquire.sys.global.u32"] >= 1 and finalize["st.release.sys.global.u32"] == 1  # reset

@@ -18,11 +18,13 @@ One call on rank r (generation g = the call count since the last recover), each 
                     shared ids only from this rank's own tokens), counts[q][e] by smem atomics
                  3. per-expert totals, BM-padded exclusive scan -> ring offsets; cursor[q][e] = offset[e] + rows of
                     ranks < q (the (expert, src rank, token, slot) order of gcmoe_core.multirank); CTA 0 writes
-                    offsets and counts, then release(gpu) OFFS = g — what W1 and W2 acquire before reading them
+                    offsets and counts
                  4. one warp per source rank ranks its entries 32 at a time (match.any + lanemask_lt): deterministic
                     row of every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA b mod C); then
-                    the CTA lets W1 launch (griddepcontrol.launch_dependents): past this point it reads published
-                    buffers only for blocks whose L1_FULL tag W1 acquires, so a finished W1 tile implies them read
+                    the CTA lets W1 launch (griddepcontrol.launch_dependents) and counts itself in RANKED (acq_rel);
+                    the last CTA resets it and releases (gpu) OFFS = g — what W1 and W2 acquire before reading the
+                    offsets. Past this point a CTA reads published buffers only for blocks whose L1_FULL tag W1
+                    acquires: OFFS and the tags W1 acquires imply every read of the peers' buffers done
                  5. per owned block: one warp per row pulls x (16-byte loads from the peer), the scales (into the
                     transposed sxT), the routing weight, and writes src and dst (the source rank's combine row);
                     padding rows get src = -1 and dst = the sink row (their payload is not written: the GEMMs never
@@ -92,6 +94,7 @@ from .workspace import (
     SIG_OFFS,
     SIG_OUT,
     SIG_PUB_DONE,
+    SIG_RANKED,
     SIG_READY,
     SIG_RECV,
     SIG_SEQ,
@@ -469,9 +472,6 @@ class CommKernels:
                 for e in cutlass.range(tid, REL, THREADS, unroll=1):
                     st_u32(own + o["ring_counts"] + e * 4, stot[e])
             cute.arch.sync_threads()
-            if cta == 0 and tid == 0:  # the ring's shape for call g: what W1 and W2 acquire before reading it
-                fence_gpu()
-                st_release_u32(own + SIG_OFFS * 4, g, "gpu")
             # 4. rank the entries of each source rank: row of (q, t, j), kept when this CTA owns its block
             for q in cutlass.range(warp, P, WARPS, unroll=1):
                 n = sntok[q] * K
@@ -498,6 +498,14 @@ class CommKernels:
             # weights beside the row pulls below; a CTA past this point reads the peers' rows only for blocks whose
             # tags W1 acquires, so a finished call leaves no dispatch CTA still reading published buffers
             cute.arch.griddepcontrol_launch_dependents()
+            if tid == 0:
+                # the ring's shape for call g (what W1 and W2 acquire before reading it), released by the last CTA
+                # past its reads of the routing: OFFS = g also says no CTA of this dispatch still reads the peers'
+                # routing (on a partition W1 is not launched after this grid; CTAs without blocks release no tag)
+                fence_gpu()
+                if atom_add_u32(own + SIG_RANKED * 4, 1, "acq_rel", "gpu") == C - 1:
+                    st_u32(own + SIG_RANKED * 4, 0)  # for the next call (ordered before OFFS by the release)
+                    st_release_u32(own + SIG_OFFS * 4, g, "gpu")
             # 5. pull the rows of the owned blocks, then tag each block with the generation
             nblk = soff[REL] // BM
             for b in cutlass.range(cta, nblk, C, unroll=1):

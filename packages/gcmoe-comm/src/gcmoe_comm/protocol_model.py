@@ -9,7 +9,8 @@ with each other: there is no trailing cross-rank barrier):
     publish      take INUSE (CAS 0 -> ticket; held by another ticket: ERR = BUSY, the call does nothing) ;
                  g = ++GEN ; payload_gen[r] = g ; ready[r] = g            (own FP8 tokens + routing, release)
     route q      wait ready[q] >= g ; read q's routing (check payload_gen[q] == g)          for each rank q
-    offsets      write the ring offsets and counts of g ; OFFS[r] = g (release)           (two steps, this order)
+    offsets      write the ring offsets and counts of g ; OFFS[r] = g (release)           (two steps, this order;
+                 the kernel's CTAs each read the routing: the last past its reads releases OFFS, RANKED counter)
     block b      wait ready[src(b)] >= g ; pull rows (check payload_gen[src] == g) ;
                  ring_gen[r][b] = g ; full[r][b] = g                    (generation tag, release)
     done         dispatch_done[r] = g

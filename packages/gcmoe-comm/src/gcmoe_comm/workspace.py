@@ -47,8 +47,9 @@ from gcmoe_core.signals import ERR_WARMUP, KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIN
 from .ring import RingSpec
 
 SIG_GEN, SIG_READY, SIG_NTOK, SIG_OUT = 0, 32, 33, 34  # OUT: 2 words
-SIG_DONE = 64
-SIG_PUB_DONE = 65
+SIG_DONE = 64  # finalize's CTAs done (the last resets it)
+SIG_PUB_DONE = 65  # publish's CTAs done
+SIG_RANKED = 66  # dispatch's CTAs past their reads of the routing (the last releases OFFS)
 SIG_ERR = 96  # 5 words
 SIG_RECV = 128  # 2 words
 SIG_CGEN = 160
