@@ -13,7 +13,8 @@ with each other: there is no trailing cross-rank barrier):
                  the kernel's CTAs each read the routing: the last past its reads releases OFFS, RANKED counter)
     block b      wait ready[src(b)] >= g ; pull rows (check payload_gen[src] == g) ;
                  ring_gen[r][b] = g ; full[r][b] = g                    (generation tag, release)
-    done         dispatch_done[r] = g
+    done         dispatch_done[r] = g      (in the kernels: no flag, but OFFS (released once every dispatch CTA read the
+                 routing) and every block's L1_FULL, all acquired by W1 before its W1_DONE tags that W2 acquires)
   compute (compute partition, concurrent with publish and dispatch; kernel_grouped.py acquire_ring)
     acquire      wait INUSE == ticket ; g = CGEN + 1 (the generation compute's waits use)
     offsets      wait OFFS == g ; read the offsets and counts (check they are of the call's generation)
