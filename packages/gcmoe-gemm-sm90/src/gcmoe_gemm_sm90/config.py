@@ -165,8 +165,8 @@ def choose_config(
         ok = [s for s in (1, 2, 4) if can_implement(m, k, num_experts, cfg, splits=s) is None]
         splits.append(sp if sp in ok else ok[0])
     # stream_k W1 where one token's unsplit W1 has more tiles than SMs but fewer than slots (most SMs one tile, some
-    # two): DeepSeek-V3 / GLM-5 at T = 1 (144 tiles), the public layer 1.04-1.09x faster (88.8 vs 97.0 µs, 82.5 vs
-    # 86.0), 0.90-0.96x at T = 2 on four shapes (H200, 2026-11-30, tools/gpu/split_sweep.py --sweep stream_k,
+    # two): DeepSeek-V3 / GLM-5 at T = 1 (144 tiles), the public layer 1.03-1.09x faster (88.8 vs 97.0 µs, 82.5 vs
+    # 86.0), 0.90-0.96x at T = 2 on three shapes (H200, 2026-11-30, tools/gpu/split_sweep.py --sweep stream_k,
     # docs/benchmarks/stream-k-h200-2026-11-30.md)
     stream_k = tokens_per_rank == 1 and splits[0] == 1 and sms < w1_tiles <= slots
     return with_splits(replace(cfg, stream_k=stream_k), (splits[0], splits[1]), hidden, inter)
