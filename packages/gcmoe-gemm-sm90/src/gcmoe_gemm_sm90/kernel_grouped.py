@@ -419,7 +419,7 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.cfg.ring and self.is_w1):
             if cutlass.const_expr(self.stream_k):
                 for p in cutlass.range(npieces, unroll=1):  # every expert the CTA's pieces read
-                    pe, _, _, _ = self.locate_tile(cnt, u0 // (nw // depth) + p, num_experts, lane)
+                    pe, _, _, _, _, _ = self.work_piece(cnt, p, e, mt, u0, u1, num_experts, lane, skt)
                     self.acquire_blocks(sig, gen, timeout_ns, offs[pe], cnt[pe], tidx)
             else:
                 self.acquire_blocks(sig, gen, timeout_ns, row_base, count, tidx)

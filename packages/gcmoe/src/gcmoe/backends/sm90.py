@@ -217,11 +217,11 @@ class Lane:
             self.ring = (v.ring_x, v.ring_sxT, v.ring_w, v.ring_offsets, v.ring_counts, v.ring_dst, v.ring_src)
             # W1's stream_k scratch (partials + arrival counters) where a bucket's kernel configuration uses it
             sk_tiles = [c.n_tile for c in map(plan.kernel_config, _buckets(cfg.max_tokens_per_rank)) if c.stream_k]
-            self.stream_k = None
+            self.sk_scratch = None
             if sk_tiles:
                 from gcmoe_gemm_sm90.ops import StreamKScratch
 
-                self.stream_k = StreamKScratch.make(dev, max(sk_tiles))
+                self.sk_scratch = StreamKScratch.make(dev, max(sk_tiles))
             # each eager call's (x, ids, weights, out, T, ids-are-int64): written to a pinned staging slot, copied
             # (async, on the call's stream) into the device argument block the bucket graphs' publish reads
             self.slots = torch.zeros(NSLOTS, SLOT_WORDS, dtype=torch.int64, pin_memory=True)
@@ -275,7 +275,7 @@ class Lane:
         sync = self._ring_sync(ticket)
         moe = self.plan.moe
         sk_ctas = 2 * (self.plan.sm_count - comm_sms)
-        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.stream_k, sk_ctas)
+        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.sk_scratch, sk_ctas)
         launch_w2(moe.w2, self.hq, self.hsT, offs, cnt, dst, src, self.comb, kcfg, sync)
 
     def _load_gemms(self, kcfg) -> None:
