@@ -8,8 +8,11 @@
 #   later calls on the warm machine:      source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh <steps>
 #
 # steps: info | tests | greenctx | layersmoke | layer | bench | tune | smoke | sanitize | sm90 | sm90bench | comm | multiproc |
-# commbench | all
+# commbench | soak | benchmark | all
 # (default: all). Each step's log and results land in $OUT. BENCH_ARGS / TUNE_ARGS / LAYER_TEST_ARGS pass through.
+# soak: tools/gpu/soak.py (100,000 checked graph replays, ~3 min; SOAK_ARGS, e.g. "--replays 20000") -> $OUT/soak/;
+# benchmark: pytest-benchmark over the layer (packages/gcmoe/tests/test_bench_layer.py; BENCHMARK_ARGS, e.g.
+# "-k deepseek-v3") -> $OUT/benchmark.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gcmoe-gpu-out}
@@ -28,6 +31,11 @@ run_step() {
                 ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
               return "${PIPESTATUS[0]}" ;;
     sanitize) bash tools/gpu/sanitize.sh 2>&1 | tee "$OUT/sanitize.log"; return "${PIPESTATUS[0]}" ;;
+    soak)     timeout 420 python3 tools/gpu/soak.py --out "$OUT/soak" ${SOAK_ARGS:-} 2>&1 | tee "$OUT/soak.log"
+              return "${PIPESTATUS[0]}" ;;
+    benchmark) timeout 540 python3 -m pytest packages/gcmoe/tests/test_bench_layer.py -m gpu -rs -q -p no:cacheprovider \
+                --benchmark-json "$OUT/benchmark.json" ${BENCHMARK_ARGS:-} 2>&1 | tee "$OUT/benchmark.log"
+              return "${PIPESTATUS[0]}" ;;
     smoke)    timeout 150 python3 tools/gpu/sm90_smoke.py --timeout 120 ;;
     layersmoke) timeout 300 python3 tools/gpu/layer_smoke.py --timeout 280 2>&1 | tee "$OUT/layer-smoke.log"
               return "${PIPESTATUS[0]}" ;;

@@ -1,6 +1,7 @@
 """Offline (CPU) compile of the grouped W1/W2 kernels for sm_90a: register-A QGMMA present, no local memory, the
 weights streamed by bulk copy into shared memory + 16-byte shared loads, the WGMMAs pipelined; in ring mode the
-bounded acquires of the comm signals (ld.acquire + %globaltimer) and W2's bf16 stores through the peer table."""
+bounded acquires of the comm signals (ld.acquire + %globaltimer) and W2's bf16 stores through the peer table; the
+gpt-oss epilogue variants (clamped SwiGLU, biases) on its padded shapes, and their flags off unless asked for."""
 
 import re
 from dataclasses import replace
@@ -36,6 +37,23 @@ VARIANTS = [
         for r in (False, True)
     ],
 ]
+# gpt-oss (H = I = 2880, padded to 3072 / 2944 at load): clamped SwiGLU + biases, as the operator runs them (ring
+# mode; EP8 slices of the 120b: 16 experts, N 8 K-split / 16 / 80 with 2 warpgroups; the 20b: N 48, 4 warpgroups),
+# on prepared rows, stream_k, and each flag alone
+GPT_OSS = (("w1", 2 * 2944, 3072), ("w2", 3072, 2944))
+EPILOGUE = {"activation": "swiglu_clamped", "bias": True}
+GPT_OSS_VARIANTS = [
+    *[
+        (mode, m, k, replace(choose_config(t, 4, e, 3072, 2944), ring=True, **EPILOGUE))
+        for t, e in ((1, 16), (32, 16), (256, 16), (256, 32))
+        for mode, m, k in GPT_OSS
+    ],
+    *[(mode, m, k, replace(choose_config(8, 4, 16, 3072, 2944), **EPILOGUE)) for mode, m, k in GPT_OSS],
+    ("w1", *GPT_OSS[0][1:], replace(choose_config(1, 4, 16, 3072, 2944), splits=(1, 1), stream_k=True, **EPILOGUE)),
+    ("w1", *GPT_OSS[0][1:], replace(choose_config(8, 4, 16, 3072, 2944), ring=True, activation="swiglu_clamped")),
+    ("w1", *GPT_OSS[0][1:], replace(choose_config(8, 4, 16, 3072, 2944), ring=True, bias=True)),
+]
+VARIANTS += GPT_OSS_VARIANTS
 
 
 @pytest.mark.parametrize(
@@ -46,6 +64,7 @@ VARIANTS = [
         if not hasattr(v, "n_tile")
         else f"n{v.n_tile}s{v.stages}p{v.prefetch}o{v.occupancy}ss{v.smem_scales:d}sp{v.splits[0]}{v.splits[1]}"
         f"{'' if v.warpgroups == 2 else 'wg4'}{'ring' if v.ring else ''}{'sk' if v.stream_k else ''}"
+        f"{'clamp' if v.activation == 'swiglu_clamped' else ''}{'bias' if v.bias else ''}"
     ),
 )
 def test_grouped_kernel_sass(mode, m, k, cfg):
@@ -76,3 +95,33 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
     assert not {o.split(".")[0] for o in ops} & {"LDL", "STL"}, "local-memory spills"
     assert kern.resources()["LOCAL"] == 0 and kern.resources()["STACK"] == 0
     assert kern.resources()["REG"] <= (128 if cfg.occupancy == 2 or cfg.warpgroups == 4 else 255)
+
+
+def _count(sass: str, opcode: str) -> int:
+    return len(re.findall(rf"\b{re.escape(opcode)}\b", sass))
+
+
+def test_epilogue_flags_are_off_by_default_and_add_code_only_when_set():
+    """choose_config never sets the gpt-oss epilogue flags (the layer does, MoESm90.config_for), so the default kernels
+    are today's (their by-value words too: SIG_WORDS); set, W1 reads its b13 entries and clamps (more FMNMX, two
+    more fp32 loads per subtile), W2 reads the rows' routing weights and b2 (more global loads), same registers
+    budget and no spills (test_grouped_kernel_sass)."""
+    from gcmoe_gemm_sm90.kernel_grouped import SIG_WORDS, compiled, sig_words
+
+    for t in (1, 2, 8, 32, 128, 256):
+        for args in ((8, 32, 7168, 2048), (4, 16, 3072, 2944), (4, 32, 3072, 2944), (6, 32, 4096, 2048)):
+            cfg = choose_config(t, *args)
+            assert (cfg.activation, cfg.bias) == ("swiglu", False), (t, args)
+            assert sig_words("w1", cfg) == sig_words("w2", cfg) == SIG_WORDS
+    base = replace(choose_config(8, 4, 16, 3072, 2944), ring=True)
+    for mode, m, k in GPT_OSS:
+        plain = compiled(mode, m, k, base, "sm_90a").sass()
+        both = compiled(mode, m, k, replace(base, **EPILOGUE), "sm_90a").sass()
+        assert plain != both
+        loads = [len(re.findall(r"\bLDG\.E(?:\.STRONG\.GPU)?\s", s)) for s in (plain, both)]
+        if mode == "w1":
+            clamped = compiled(mode, m, k, replace(base, activation="swiglu_clamped"), "sm_90a").sass()
+            assert _count(clamped, "FMNMX") > _count(plain, "FMNMX")
+            assert loads[1] > loads[0]
+        else:
+            assert loads[1] >= loads[0] + 2  # route_w of its token columns and b2 of its output rows

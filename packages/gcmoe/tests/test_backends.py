@@ -93,3 +93,16 @@ def test_sm103_refuses_expert_parallel(monkeypatch):
     assert sm103.missing(torch.device("cuda"), cfg).startswith("ep_size = 1")
     with pytest.raises(ValueError, match="ep_size = 1"):
         sm103.prepack(cfg, make_problem(Case(CFG, 1))[3], CPU)
+
+
+def test_sm103_refuses_the_clamped_activation_and_biases_also_emulated():
+    """Its epilogue is plain SwiGLU: a gpt-oss-style layer must be refused, never computed as another expert."""
+    import dataclasses
+
+    for cfg in (CFG.replace(activation="swiglu_clamped"), CFG.replace(num_shared_experts=0, has_bias=True)):
+        weights = make_problem(Case(cfg, 1))[3]
+        if cfg.has_bias:
+            e, i, h = cfg.local_experts, cfg.intermediate_size, cfg.hidden_size
+            weights = dataclasses.replace(weights, w13_bias=torch.randn(e, 2 * i), w2_bias=torch.randn(e, h))
+        with pytest.raises(ValueError, match="sm103 kernels' epilogue is plain SwiGLU"):
+            gcmoe.MoELayer(cfg, "cpu", "sm103", emulate=True).load(weights)

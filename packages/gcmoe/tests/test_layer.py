@@ -25,6 +25,16 @@ def test_layer_matches_references(quant):
     assert calc_diff(y, moe_reference_loop_fp64(x, ids, w, weights)) < 1e-5
 
 
+@pytest.mark.parametrize("emulate", [False, True])
+def test_zero_tokens_give_an_empty_output(emulate):
+    """T = 0 is a valid call (an idle rank of P > 1 must still take part in the step); at P = 1 nothing runs."""
+    x, ids, w, weights, _ = make_problem(Case(CFG, 3, seed=15))
+    layer = gcmoe.MoELayer(CFG, backend="sm90" if emulate else "reference", emulate=emulate).load(weights)
+    y = layer(x[:0], ids[:0], w[:0])
+    assert y.shape == (0, CFG.hidden_size) and y.dtype == torch.bfloat16
+    assert torch.equal(layer(x, ids, w), moe_reference(x, ids, w, weights))  # and the next call is exact
+
+
 def test_load_mxfp4_directly_equals_load_weights():
     x, ids, w, weights, floats = make_problem(Case(CFG, 5, "one_expert", seed=12))
     a = gcmoe.MoELayer(CFG).load_weights(*floats)(x, ids, w)

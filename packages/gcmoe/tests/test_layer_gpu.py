@@ -349,6 +349,24 @@ def test_roles_keep_their_partitions_inside_a_callers_capture():
 
 
 @pytest.mark.sm90
+@pytest.mark.parametrize("cfg", [CFG, MoEConfig.ep_slice("deepseek-v4-flash", 8, max_tokens_per_rank=256)])
+def test_first_call_inside_a_callers_capture_on_a_fresh_stream(cfg):
+    """A layer whose very first call is captured (torch.cuda.graph's default global capture mode) on a stream it never
+    ran on: its lane is made under the capture (found 2026-11-30 by gcmoe.multiproc bench: the lane's kernel loads
+    synchronised a stream during a capture and invalidated it) and the replay equals an eager call."""
+    weights = make_weights(cfg, 21, "cuda")
+    layer = gcmoe.MoELayer(cfg, "cuda", "sm90").load(weights)
+    x, ids, w = _tokens(cfg, 8, "uniform", 21)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=torch.cuda.Stream()):
+        y = layer(x, ids, w)
+    y.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert first_mismatch(y, layer(x, ids, w)) == ""
+
+
+@pytest.mark.sm90
 def test_model_shaped_layers_match_the_reference():
     for model, t in (("deepseek-v3", 1), ("deepseek-v4-flash", 8), ("glm-4.5", 32), ("deepseek-v3", 128)):
         cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=256)

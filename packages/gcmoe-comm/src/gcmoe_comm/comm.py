@@ -56,6 +56,7 @@ class CommRank:
         finalize_ctas: int | None = None,
         shared_rows: int = 0,
         timeout_ms: float | None = None,
+        masked_ids: bool = False,
     ):
         spec = ws.spec
         for name, v in (("dispatch_ctas", dispatch_ctas), ("finalize_ctas", finalize_ctas)):
@@ -66,6 +67,7 @@ class CommRank:
         self.validate_spec(spec)
         self.ws = ws
         self.dispatch_ctas, self.finalize_ctas, self.shared_rows = dispatch_ctas, finalize_ctas, shared_rows
+        self.masked_ids = masked_ids  # publish drops an id of -1 without recording it (MoEConfig.masked_ids)
         ms = env.get_int("GCMOE_COMM_TIMEOUT_MS") if timeout_ms is None else timeout_ms
         if ms <= 0:
             raise ValueError(f"CommRank: timeout {ms} ms must be > 0")
@@ -91,7 +93,7 @@ class CommRank:
 
             from .kernels import CommShape, compiled
 
-            shape = CommShape(self.ws.spec, self.shared_rows)
+            shape = CommShape(self.ws.spec, self.shared_rows, self.masked_ids)
             self._kernels = compiled(shape, target_arch(self.ws.buf.device.index))
             i64 = cutlass_modules()[0].Int64  # a plain Python int would be passed as a 32-bit parameter
             self._i64 = i64
@@ -153,7 +155,8 @@ class CommRank:
         """One kernel: take the workspace under `ticket` (default: a new one), quantise x (FP8 1x128, bit-exact
         with gcmoe_core.formats) into this rank's published buffers, check and copy the routing (plus the shared
         slots), and tag READY = g once every CTA is done. An id outside [0, E) is recorded (Workspace.bad_input)
-        and dropped: no rank computes that slot, and its combine row is zeroed."""
+        and dropped: no rank computes that slot, and its combine row is zeroed (masked_ids: an id of -1 is dropped
+        the same way, unrecorded)."""
         s = self.ws.spec
         dev = self.ws.buf.device
         if x.dim() != 2 or x.shape[1] != s.hidden or x.dtype != torch.bfloat16:

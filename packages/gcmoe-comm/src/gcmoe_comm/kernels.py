@@ -5,7 +5,8 @@ One call on rank r (generation g = the call count since the last recover), each 
     publish    take the workspace (INUSE = ticket; a call finding another's ticket records ERR kind BUSY and does
                nothing); x -> FP8 + scales into pub_x/pub_sx; routing into pub_ids/pub_w: the caller's k slots, each
                id checked (outside [0, E): BAD recorded, id -1 = dropped by every dispatch, never dereferenced;
-               non-finite weight: BAD recorded, kept), then S shared slots (ids E .. E + S - 1, weight 1); the last
+               compiled with masked_ids, an id of -1 is dropped unrecorded; non-finite weight of a kept slot: BAD
+               recorded, kept), then S shared slots (ids E .. E + S - 1, weight 1); the last
                CTA: g = ++GEN; NTOK = T; OUT = the output pointer; release(sys) READY = g. Arguments come by value
                or, on the slot path, from an argument block in device memory (the host copies each call's pointers
                into it just before replaying the graph, so one captured graph serves every eager call; the last CTA
@@ -13,7 +14,9 @@ One call on rank r (generation g = the call count since the last recover), each 
                (ready: the READY signal alone, for buffers filled elsewhere)
     dispatch   C CTAs (the launch's grid; comm.CommRank.dispatch_grid), a programmatic dependent launch after publish:
                  0. griddepcontrol.wait (publish has finished) before anything is read
-                 1. thread q < P acquires peer q's READY == g (bounded), reads its NTOK
+                 1. thread q < P acquires peer q's READY == g (bounded), checks its GEN == g (written before
+                    READY by the same publish: a READY = g beside another GEN is a forged or corrupted tag, recorded
+                    like an expired wait with GEN as the value seen), reads its NTOK
                  2. every CTA: peers' ids -> smem (ring expert or -1: routed ids of this rank's experts, and the
                     shared ids only from this rank's own tokens), counts[q][e] by smem atomics
                  3. per-expert totals, BM-padded exclusive scan -> ring offsets; cursor[q][e] = offset[e] + rows of
@@ -121,6 +124,7 @@ class CommShape:
 
     spec: RingSpec
     shared_rows: int  # shared-expert rows finalize adds from a separate tensor (0: none; the layer's ride the ring)
+    masked_ids: bool = False  # publish takes id -1 as a masked slot: dropped, not recorded as BAD
 
 
 class CommKernels:
@@ -135,6 +139,7 @@ class CommKernels:
         self.REL, self.E = s.ring_experts, s.num_experts
         self.H, self.HS, self.CAP = s.hidden, s.hidden // 128, s.capacity
         self.S = shape.shared_rows
+        self.ID_MIN = -1 if shape.masked_ids else 0  # the lowest id publish does not record as BAD
         self.o = {k: v for k, v in lay.offsets.items()}
         # the scope of the cross-rank signals: other GPUs (sys) for P > 1; one GPU's own workspace for P = 1
         self.SCOPE = "sys" if s.ranks > 1 else "gpu"
@@ -317,19 +322,19 @@ class CommKernels:
                     if ids64 != 0:
                         e64 = ld_u64(ids + src * 8)
                         e = Int32(e64)
-                        if e64 < 0 or e64 >= self.E:
+                        if e64 < self.ID_MIN or e64 >= self.E:
                             self._record_bad(own, BAD_ID, t, j, Int32(e64))
                             e = Int32(-1)
                     else:
                         e = ld_u32(ids + src * 4)
-                        if e < 0 or e >= self.E:
+                        if e < self.ID_MIN or e >= self.E:
                             self._record_bad(own, BAD_ID, t, j, e)
                             e = Int32(-1)
-                    if e < 0:  # dropped: no rank writes this slot's combine row, so it adds zero
+                    if e < 0:  # dropped (or masked): no rank writes this slot's combine row, so it adds zero
                         row = own + o["combine"] + Int64(i) * (H * 2)
                         for c in cutlass.range(H // 8, unroll=1):
                             st_v4(row + Int64(c) * 16, 0, 0, 0, 0)
-                    if (wb & 0x7F800000) == 0x7F800000:
+                    elif (wb & 0x7F800000) == 0x7F800000:
                         self._record_bad(own, BAD_WEIGHT, t, j, wb)
                 st_u32(own + o["pub_ids"] + Int64(i) * 4, e)
                 st_u32(own + o["pub_w"] + Int64(i) * 4, wb)
@@ -402,6 +407,8 @@ class CommKernels:
         if failed == 0 and tid < P:
             pa = speer[tid]
             seen = wait_until_eq(pa + SIG_READY * 4, g, timeout_ns, self.SCOPE, own + SIG_ERR * 4)
+            if seen == g:  # READY = g beside another GEN is a forged / corrupted tag: recorded as READY, seen = GEN
+                seen = ld_relaxed_u32(pa + SIG_GEN * 4, self.SCOPE)
             if seen != g:
                 record_error(own + SIG_ERR * 4, KIND_READY, tid, g, seen)
                 sflag[0] = 1
@@ -689,7 +696,8 @@ def compiled(shape: CommShape, arch: str) -> dict:
     peers = tuple(Int64(0) for _ in range(shape.spec.ranks))
     stream = crt.make_fake_stream()
     s = shape.spec
-    tag = f"p{s.ranks}_h{s.hidden}_e{s.local_experts}s{s.shared}_k{s.top_k}_bm{s.bm}"
+    masked = "_m" if shape.masked_ids else ""
+    tag = f"p{s.ranks}_h{s.hidden}_e{s.local_experts}s{s.shared}_k{s.top_k}_bm{s.bm}{masked}"
     return {
         "ready": compile_kernel(k.ready, i64, Int32(0), stream, arch=arch, name=f"comm_ready_{tag}"),
         "publish": compile_kernel(

@@ -55,6 +55,21 @@ tile of the expert stored them, a W1_DONE count not back to 0 after a call (or a
 compute reading ring offsets of another generation (OFFS, CGEN, INUSE), publish or finalize seeing another GEN.
 A rank whose ERR is set fails loudly (its waits end): its stuck lanes are no deadlock, its counters not checked.
 `Variant` flags seed known bugs so tests prove the explorer catches them.
+
+Faults (`Config.fault`, one `Fault` per exploration; one lane per rank): a peer that dies, whose generation
+counter goes stale (rolled back, as after a recover() on that rank alone) or is corrupted, whose READY tag is forged
+to the very generation its peers wait for before it published (a corrupted tag that looks valid), that publishes
+twice, that restarts (its workspace recreated: every word zeroed), or whose finalize stalls past the bound. The
+model then has bounded waits: once nothing can move, a blocked wait expires and records ERR (kind, who, generation,
+value seen) as the kernels' waits do (a rank's dispatch first: its bound is half the compute role's), and the
+rank stops. What a fault must give, in every interleaving: no violation (no silently wrong read) and no deadlock,
+ERR on some rank, or every call complete and correct (a fault that happened to do no harm). Every waiting kernel
+reads its ERR word, so ERR is the CommError the host raises. `recovered_state` is the state recover() leaves on
+every rank (every signal zero, every buffer holding stale data): explore(..., start=recovered_state(cfg)) checks
+the calls after it.
+Dispatch acquires each peer's READY == g, then checks the peer's GEN == g (a READY = g beside another GEN is a
+forged or corrupted tag: ERR kind READY, value seen = the peer's GEN). Only a forger that writes GEN, READY and
+the payload exactly as a publish would is indistinguishable from one; any other value fails the equality waits.
 """
 
 from __future__ import annotations
@@ -98,6 +113,30 @@ class Variant:
     compute_skips_inuse_wait: bool = False
     inuse_freed_early: bool = False
     cgen_before_reset: bool = False
+    ready_ignores_gen: bool = False  # dispatch trusts a READY = g without checking the peer's GEN == g
+
+
+FAULT_KINDS = ("dead", "stale_gen", "corrupt_gen", "forged_ready", "double_publish", "restart", "finalize_stall")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault on rank `rank`'s call `call` (1-based):
+    dead            the rank does nothing from this call on
+    stale_gen       its GEN is back at 0 before the call's publish (a recover() on that rank alone)
+    corrupt_gen     its GEN holds a value no call has (+ 1000) before the call's publish
+    forged_ready    its READY is set to the call's generation while its publish of the call is still to come
+    double_publish  the call publishes twice (same ticket: a publish node replayed)
+    restart         its workspace is recreated before the call (every signal zero, every buffer stale)
+    finalize_stall  the call's finalize runs only once every other rank stopped (stalled past the bound)"""
+
+    kind: str
+    rank: int = 1
+    call: int = 2
+
+    def __post_init__(self):
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"Fault: kind {self.kind!r} not in {FAULT_KINDS}")
 
 
 @dataclass(frozen=True)
@@ -114,10 +153,14 @@ class Config:
     # l + 1. lanes > 1 needs ranks == 1 (the calls of one layer step are not paired across ranks there).
     lanes: int = 1
     variant: Variant = field(default_factory=Variant)
+    fault: Fault | None = None
 
     def __post_init__(self):
         if self.lanes > 1 and self.ranks != 1:
             raise ValueError("Config: lanes > 1 needs ranks == 1")
+        f = self.fault
+        if f is not None and (self.lanes != 1 or not 0 <= f.rank < self.ranks or not 1 <= f.call <= self.generations):
+            raise ValueError(f"Config: {f} needs one lane, a rank < {self.ranks} and a call <= {self.generations}")
 
 
 class _Rank(NamedTuple):
@@ -168,9 +211,114 @@ def _initial(cfg: Config):
         "w1_count": ((0,) * ne,) * p,  # W1_DONE[e].count of rank r
         "w1_tag": ((0,) * ne,) * p,  # W1_DONE[e].tag of rank r
         "w1_rows": (((0,) * cfg.m_tiles,) * ne,) * p,  # generation of W1's output rows of M tile m of expert e
+        "dead": (False,) * p,  # (Fault "dead")
+        "fault_done": False,  # the fault has happened
     }
     pcs = tuple(_rank(cfg, 1) for _ in range(p * cfg.lanes))
     return pcs, tuple(sorted(shared.items()))
+
+
+STALE = -1  # the generation of a buffer's data after recover() or a restart: no call's
+
+
+def _stale_data(s: dict, ranks) -> None:
+    """Every buffer of these ranks holds data of no call (what recover() or a new workspace leaves)."""
+    for r in ranks:
+        for key in ("payload_gen", "ring_offs"):
+            s[key] = _set(s[key], r, STALE)
+        s["ring_gen"] = _set(s["ring_gen"], r, (STALE,) * len(s["ring_gen"][r]))
+        s["combine_gen"] = _set(s["combine_gen"], r, (STALE,) * len(s["combine_gen"][r]))
+        s["w1_rows"] = _set(s["w1_rows"], r, tuple((STALE,) * len(m) for m in s["w1_rows"][r]))
+
+
+def recovered_state(cfg: Config):
+    """The state after recover() on every rank (every signal zeroed on every rank, the device quiet): the buffers
+    keep the data of earlier calls, which no generation of the restarted count may be mistaken for."""
+    pcs, shared = _initial(cfg)
+    s = dict(shared)
+    _stale_data(s, range(cfg.ranks))
+    return pcs, tuple(sorted(s.items()))
+
+
+def _restart(cfg: Config, s: dict, r: int) -> None:
+    """Rank r's workspace recreated: every signal word zero (the increments counted in its receive counters gone
+    with them: the model's accounting of them too), its buffers stale."""
+    fresh = dict(_initial(cfg)[1])
+    for key, v in fresh.items():
+        if isinstance(v, tuple) and len(v) == cfg.ranks and key != "dead":
+            s[key] = _set(s[key], r, v[r])
+    _stale_data(s, [r])
+
+
+def _fault_moves(cfg: Config, i: int, rk: _Rank, s: dict):
+    """The fault's own step on lane i (before its publish of the faulty call), if it is due."""
+    f = cfg.fault
+    if f is None or s["fault_done"] or i != f.rank or rk.gen != f.call or rk.dpc != 0 or f.kind == "finalize_stall":
+        return
+    n = dict(s, fault_done=True)
+    r, nrk = f.rank, rk
+    if f.kind == "dead":
+        n["dead"] = _set(s["dead"], r, True)
+        nrk = _finished(cfg)
+    elif f.kind == "stale_gen":
+        n["gen"] = _set(s["gen"], r, 0)
+    elif f.kind == "corrupt_gen":
+        n["gen"] = _set(s["gen"], r, s["gen"][r] + 1000)
+    elif f.kind == "forged_ready":
+        n["ready"] = _set(s["ready"], r, s["gen"][r] + 1)
+    elif f.kind == "double_publish":  # the first of the two publishes (the lane's own publish step is the second)
+        ng = s["gen"][r] + 1
+        for key in ("gen", "payload_gen", "ready"):
+            n[key] = _set(s[key], r, ng)
+        n["inuse"] = _set(s["inuse"], r, 1)
+    else:
+        _restart(cfg, n, r)
+    yield f"r{r}c{rk.gen}:fault-{f.kind}", nrk, n
+
+
+def _stalled(cfg: Config, i: int, rk: _Rank, pcs, s: dict) -> bool:
+    """Fault finalize_stall: lane i's finalize of the faulty call waits until every other rank stopped."""
+    f = cfg.fault
+    if f is None or f.kind != "finalize_stall" or i != f.rank or rk.gen != f.call:
+        return False
+    return not all(s["err"][q] or s["dead"][q] or pcs[q].gen > cfg.generations for q in range(cfg.ranks) if q != i)
+
+
+def _blocked_wait(cfg: Config, r: int, rk: _Rank, s: dict):
+    """The bounded wait a stuck lane of rank r is in, as its ERR words would record it on expiry: (kind, who,
+    generation, value seen); dispatch's wait first (its bound is half the compute role's), then compute's, then
+    finalize's. None: not in a wait."""
+    p, g, cg = cfg.ranks, rk.g, rk.cg
+    if 0 < rk.dpc <= p or p + 2 < rk.dpc <= p + 2 + cfg.blocks:
+        q = rk.dpc - 1 if rk.dpc <= p else (rk.dpc - 3 - p) % p
+        return ("READY", q, g, s["ready"][q])
+    compute, finalize = _plans(cfg)
+    if rk.cpc < len(compute):
+        kind, j = compute[rk.cpc]
+        if kind == "acquire":
+            return ("INUSE", r, 1, s["inuse"][r])
+        if kind == "offsets":
+            return ("OFFS", r, cg, s["offs"][r])
+        if kind == "block":
+            return ("BLOCK", j, cg, s["full"][r][j])
+        if kind == "experts":
+            e = rk.w2.index(False) if False in rk.w2 else 0
+            return ("W1", e, cg, s["w1_tag"][r][e])
+        return ("BLOCK", -1, g, s["dispatch_done"][r])  # (a scatter waits for the ring: the model's stand-in)
+    if rk.fpc < len(finalize) and finalize[rk.fpc][0] == "wait":
+        return ("RECV", r, g, s["recv"][r][_slot(cfg, g)])
+    return None
+
+
+def _timeouts(cfg: Config, pcs, shared):
+    """Nothing can move: each blocked wait of a live rank may expire first (its ERR words; the rank stops)."""
+    s = dict(shared)
+    for i, rk in enumerate(pcs):
+        if s["err"][i] or s["dead"][i] or rk.gen > cfg.generations:
+            continue
+        rec = _blocked_wait(cfg, i, rk, s)
+        if rec is not None:
+            yield f"r{i}:timeout-{rec[0]}", pcs, tuple(sorted(dict(s, err=_set(s["err"], i, rec)).items()))
 
 
 def _set(t: tuple, i: int, v) -> tuple:
@@ -311,6 +459,14 @@ def _moves(cfg: Config, pcs, shared):
             yield f"r{r}g{lg}:w1e{e}:late-{steps[0]}", _set(pcs, i, nrk), tuple(sorted(n.items())), local
         if rk.gen > cfg.generations:
             continue
+        if cfg.fault is not None:
+            if s["err"][r] or s["dead"][r]:  # every wait of the rank ended: it stops (its output rows are NaN)
+                continue
+            faulty = list(_fault_moves(cfg, i, rk, s))
+            for desc, nrk, n in faulty:
+                yield desc, _set(pcs, i, nrk), tuple(sorted(n.items())), -1
+            if faulty and cfg.fault.kind != "forged_ready":
+                continue  # (the fault comes first; a forged tag may land before or after the publish)
         # ---- dispatch (publish and dispatch on the lane's comm stream)
         if dpc < _dispatch_steps(cfg):
             n = dict(s)
@@ -320,11 +476,11 @@ def _moves(cfg: Config, pcs, shared):
                 held = s["inuse"][r]
                 if s["err"][r] or held not in (0, ticket):
                     # BUSY: ERR recorded, the call does nothing (its compute waits end on ERR, finalize writes NaN)
-                    n["err"] = _set(s["err"], r, 1)
+                    n["err"] = _set(s["err"], r, s["err"][r] or ("BUSY", 0, ticket, held))
                     nrk = _finished(cfg)._replace(late=rk.late)
                 else:
                     ng = s["gen"][r] + 1
-                    if nl == 1 and ng != rk.g:
+                    if nl == 1 and ng != rk.g and cfg.fault is None:
                         raise Violation(f"rank {r} call {rk.gen}: publish took generation {ng}")
                     n["inuse"] = _set(s["inuse"], r, ticket)
                     n["gen"] = _set(s["gen"], r, ng)
@@ -333,8 +489,12 @@ def _moves(cfg: Config, pcs, shared):
                     nrk = nrk._replace(g=ng)
             elif dpc <= p:
                 q = dpc - 1
-                ok = v.skip_ready_wait or s["ready"][q] >= g
-                if ok and s["payload_gen"][q] != g:
+                ok = v.skip_ready_wait or s["ready"][q] == g
+                if ok and not (v.skip_ready_wait or v.ready_ignores_gen) and s["gen"][q] != g:
+                    if cfg.fault is None:
+                        raise Violation(f"rank {r} gen {g}: rank {q}'s READY = {g} beside GEN = {s['gen'][q]}")
+                    n["err"] = _set(s["err"], r, ("READY", q, g, s["gen"][q]))  # a forged / corrupted tag
+                elif ok and s["payload_gen"][q] != g:
                     raise Violation(f"rank {r} gen {g}: read rank {q}'s routing of generation {s['payload_gen'][q]}")
             elif dpc <= p + 2:  # CTA 0 writes the ring offsets and counts, then releases OFFS = g
                 first = (dpc == p + 1) != v.offs_before_offsets
@@ -343,7 +503,7 @@ def _moves(cfg: Config, pcs, shared):
             elif dpc <= p + 2 + nb:
                 b = dpc - 3 - p
                 src = b % p
-                ok = v.skip_ready_wait or s["ready"][src] >= g
+                ok = v.skip_ready_wait or s["ready"][src] == g
                 if ok:
                     if s["payload_gen"][src] != g:
                         raise Violation(
@@ -397,7 +557,7 @@ def _moves(cfg: Config, pcs, shared):
             if ok:
                 yield f"{who}:compute{cpc}", _set(pcs, i, nrk), tuple(sorted(n.items())), mark
         # ---- finalize (after compute on the same stream)
-        elif fpc < len(finalize):
+        elif fpc < len(finalize) and not _stalled(cfg, i, rk, pcs, s):
             kind, j = finalize[fpc]
             n = dict(s)
             nrk = rk._replace(fpc=fpc + 1)
@@ -413,7 +573,8 @@ def _moves(cfg: Config, pcs, shared):
             elif kind == "signal":  # the combined signal: my W2 rows for rank j landed (W2 finished: stream order)
                 _signal(cfg, n, j, g)
             elif kind == "wait":
-                ok = s["recv"][r][slot] >= p
+                # (the kernel waits for == P; more is reported as a violation, or with a fault: the wait expires)
+                ok = s["recv"][r][slot] == p if cfg.fault is not None else s["recv"][r][slot] >= p
                 if ok:
                     if s["recv"][r][slot] > p:
                         raise Violation(
@@ -443,15 +604,20 @@ def _moves(cfg: Config, pcs, shared):
 
 
 def _done(cfg: Config, pcs, shared) -> bool:
-    """Every lane finished, or stopped on a rank whose ERR is set (every wait there ends on ERR: a loud failure)."""
-    err = dict(shared)["err"]
-    return all(err[i // cfg.lanes] or (rk.gen > cfg.generations and not rk.late) for i, rk in enumerate(pcs))
+    """Every lane finished, or stopped on a rank whose ERR is set (every wait there ends on ERR: a loud failure)
+    or that died (Fault "dead")."""
+    s = dict(shared)
+    err, dead = s["err"], s["dead"]
+    return all(
+        err[i // cfg.lanes] or dead[i // cfg.lanes] or (rk.gen > cfg.generations and not rk.late)
+        for i, rk in enumerate(pcs)
+    )
 
 
 def _check_final(cfg: Config, shared) -> None:
     s = dict(shared)
     for r in range(cfg.ranks):
-        if s["err"][r]:
+        if s["err"][r] or s["dead"][r]:
             continue
         for g in range(1, cfg.generations + 1):
             if s["signals"][r][g] != s["seen"][r][g]:
@@ -461,7 +627,9 @@ def _check_final(cfg: Config, shared) -> None:
                 raise Violation(f"rank {r}: W1_DONE[{e}].count holds {s['w1_count'][r][e]} after the last call")
 
 
-def _expand(cfg: Config, pcs, shared, trace, deadlocks: list[str], violations: list[str], reduce: bool) -> list:
+def _expand(
+    cfg: Config, pcs, shared, trace, deadlocks: list[str], violations: list[str], reduce: bool, errors: set
+) -> list:
     """The enabled moves (description, pcs, shared) from a state; [] for a terminal state, whose deadlock or violation
     is recorded.
 
@@ -476,14 +644,16 @@ def _expand(cfg: Config, pcs, shared, trace, deadlocks: list[str], violations: l
     read by the rank's next call only), and the words they read change during the call only towards this call's
     values (its own publish, dispatch), so once enabled they stay enabled and a read that is good stays good (a bad
     one is reported in the state where the step is enabled). One such step is explored alone. Both reductions are
-    off for lanes > 1 (the lanes share these words)."""
+    off for lanes > 1 (the lanes share these words), and with a fault (it writes a rank's words from outside).
+    With a fault, a state where nothing moves lets a blocked wait expire (_timeouts); every terminal state's ERR
+    records go to `errors` as (rank, kind, who, generation, value seen)."""
     tail = " ".join(trace[-12:])
     try:
         moves = list(_moves(cfg, pcs, shared))
     except Violation as e:
         violations.append(f"{e} after {tail}")
         return []
-    if reduce and cfg.lanes == 1:
+    if reduce and cfg.lanes == 1 and cfg.fault is None:
         private = [m for m in moves if m[3] == PRIVATE]
         local = [m for m in moves if m[3] >= 0]
         if private:
@@ -491,7 +661,10 @@ def _expand(cfg: Config, pcs, shared, trace, deadlocks: list[str], violations: l
         elif local:
             moves = [m for m in local if m[3] == local[0][3]]
     moves = [m[:3] for m in moves]
+    if not moves and cfg.fault is not None and not _done(cfg, pcs, shared):
+        moves = list(_timeouts(cfg, pcs, shared))
     if not moves:
+        errors.update((r, *e) for r, e in enumerate(dict(shared)["err"]) if e)
         if not _done(cfg, pcs, shared):
             deadlocks.append(f"stuck at {[tuple(rk[:6]) for rk in pcs]} after {tail}")
         else:
@@ -507,22 +680,25 @@ class Report:
     states: int
     deadlocks: list[str]
     violations: list[str]
+    errors: set = field(default_factory=set)  # ERR records of terminal states: (rank, kind, who, gen, seen)
 
     @property
     def ok(self) -> bool:
         return not self.deadlocks and not self.violations
 
 
-def explore(cfg: Config, max_states: int = 5_000_000, reduce: bool = True) -> Report:
-    """Every interleaving (memoised on the global state; reduce: see _expand)."""
-    start = _initial(cfg)
+def explore(cfg: Config, max_states: int = 5_000_000, reduce: bool = True, start=None) -> Report:
+    """Every interleaving (memoised on the global state; reduce: see _expand) from `start` (default: the first
+    call; recovered_state(cfg): the calls after a recover())."""
+    start = start or _initial(cfg)
     seen = {start}
     stack = [(start, ())]
     deadlocks: list[str] = []
     violations: list[str] = []
+    errors: set = set()
     while stack and len(seen) <= max_states:
         (pcs, shared), trace = stack.pop()
-        moves = _expand(cfg, pcs, shared, trace, deadlocks, violations, reduce)
+        moves = _expand(cfg, pcs, shared, trace, deadlocks, violations, reduce, errors)
         for desc, npcs, nshared in moves:
             st = (npcs, nshared)
             if st not in seen:
@@ -530,7 +706,7 @@ def explore(cfg: Config, max_states: int = 5_000_000, reduce: bool = True) -> Re
                 stack.append((st, (*trace[-11:], desc)))
     if stack:
         raise RuntimeError(f"explore: state space exceeds {max_states} states; shrink the configuration")
-    return Report(len(seen), deadlocks[:5], violations[:5])
+    return Report(len(seen), deadlocks[:5], violations[:5], errors)
 
 
 def random_walks(cfg: Config, walks: int, seed: int = 0) -> Report:
@@ -538,15 +714,16 @@ def random_walks(cfg: Config, walks: int, seed: int = 0) -> Report:
     rng = random.Random(seed)
     deadlocks: list[str] = []
     violations: list[str] = []
+    errors: set = set()
     steps = 0
     for _ in range(walks):
         pcs, shared = _initial(cfg)
         trace: list[str] = []
         while True:
-            moves = _expand(cfg, pcs, shared, trace, deadlocks, violations, reduce=False)
+            moves = _expand(cfg, pcs, shared, trace, deadlocks, violations, False, errors)
             if not moves:
                 break
             desc, pcs, shared = rng.choice(moves)
             trace.append(desc)
             steps += 1
-    return Report(steps, deadlocks[:5], violations[:5])
+    return Report(steps, deadlocks[:5], violations[:5], errors)

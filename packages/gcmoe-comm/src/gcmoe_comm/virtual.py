@@ -79,18 +79,22 @@ class VirtualRanks:
         shared_rows: list[torch.Tensor] | None = None,
         silent: frozenset[int] = frozenset(),
         poison: bool = True,
+        inject=None,
     ) -> None:
         """One layer call on every rank (ranks in `silent` do nothing: a dead peer). poison: NaN-fill each rank's
-        combine buffer and ring first (on its own stream, before its READY), so a row nobody wrote shows."""
+        combine buffer and ring first (on its own stream, before its READY), so a row nobody wrote shows.
+        inject(phase, r, rank) -> skip: called before each phase ("publish", "dispatch", "compute", "finalize") of
+        each live rank, on its stream; True skips that phase of that rank (fault injection: gcmoe_comm.faults)."""
         main = torch.cuda.current_stream(self.ws[0].buf.device)
         live = [r for r in range(len(self.ranks)) if r not in silent]
         for stream in self.streams:
             stream.wait_stream(main)
 
-        def each(fn):  # phase by phase over the live ranks, each on its own stream
+        def each(fn, phase):  # phase by phase over the live ranks, each on its own stream
             for r in live:
                 with torch.cuda.stream(self.streams[r]):
-                    fn(r, self.ranks[r])
+                    if inject is None or not inject(phase, r, self.ranks[r]):
+                        fn(r, self.ranks[r])
 
         def publish(r, rank):
             if poison:
@@ -102,10 +106,10 @@ class VirtualRanks:
         # Enqueued phase by phase, so every rank's READY is enqueued before any dispatch spins on it: in ONE process
         # a kernel's first launch may load its module, and CUDA's lazy loading can wait for running kernels — a
         # spinning dispatch whose peer's READY sits behind such a load would wait out its bound.
-        each(publish)
-        each(lambda r, rank: rank.dispatch())
-        each(lambda r, rank: scatter_stand_in(rank.ws, [w.views.combine for w in self.ws]))
-        each(lambda r, rank: rank.finalize(outs[r], None if shared_rows is None else shared_rows[r]))
+        each(publish, "publish")
+        each(lambda r, rank: rank.dispatch(), "dispatch")
+        each(lambda r, rank: scatter_stand_in(rank.ws, [w.views.combine for w in self.ws]), "compute")
+        each(lambda r, rank: rank.finalize(outs[r], None if shared_rows is None else shared_rows[r]), "finalize")
         for stream in self.streams:
             main.wait_stream(stream)
 

@@ -67,7 +67,7 @@ def sig_w1_done(spec: RingSpec) -> int:
 
 ERR_WORDS = 5
 ERR_KINDS = {
-    KIND_READY: "ready tag (its tokens for this call were never published)",
+    KIND_READY: "ready tag (its tokens for this call were never published, or the tag disagrees with its GEN)",
     KIND_RECV: "receive counter",
     KIND_OFFS: "ring offsets tag (this rank's dispatch never published the call's ring)",
     KIND_BLOCK: "ring block tag (this rank's dispatch never filled the block)",

@@ -7,14 +7,28 @@ Every limit the GC-MoE design states is checked here, once, before anything laun
     H % 256 == 0   W1 K128 tiles and the W2 output tiling
     k + shared <= 32, E <= 2048, P <= 72, E % P == 0
 
+The two multiples bind the kernels, not the caller: a layer whose H or I is not a multiple (gpt-oss: H = I = 2880) is
+padded internally — `padded()` is the kernel-facing config (H up to a multiple of 256, I of 128; I <= 4096 is checked
+on the padded I), the weights get zero rows / columns / bias entries once at load and x zero columns per call, and
+the caller sees x [T, H] in, y [T, H] out. The padding is exact (gcmoe_core.reference.MoEWeights.padded says why).
+
+The expert's activation (`activation`, gcmoe_core.reference.Activation):
+    "swiglu"          act = silu(gate) * up
+    "swiglu_clamped"  gate = min(gate, limit); up = clamp(up, -limit, limit); act = gate * sigmoid(alpha * gate) * (up
+                      + 1)    (gpt-oss: alpha = 1.702, limit = 7.0)
+has_bias: gu = W13 x + b13 (b13 fp32 [E, 2I], gate entries then up entries) and row = W2 act + b2 (b2 fp32 [E, H]);
+the routing weight multiplies the biased row. Not with shared experts (no model has both: ValueError).
+
 Call arguments (x, topk_ids, topk_weights) are checked for type, dtype, shape, device and contiguity on every call
-(host-side metadata only, graph-capture safe). Value checks (ids in range, finite routing weights) need a device
-read; they run when `check_values` is true, which the operator sets unless a CUDA graph is being captured.
+(host-side metadata only, graph-capture safe). Value checks (ids in range — or -1 where MoEConfig.masked_ids says a
+slot may be masked — finite routing weights) need a device read; they run when `check_values` is true, which the
+operator sets unless a CUDA graph is being captured.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,6 +43,8 @@ MAX_EP = 72
 MAX_TOKENS_PER_RANK = 4096  # workspace sizing bound; decode is <= 512 in practice
 
 QuantMode = Literal["fp8_mxfp4", "bf16"]
+ActivationKind = Literal["swiglu", "swiglu_clamped"]
+ACTIVATIONS = ("swiglu", "swiglu_clamped")
 
 
 @dataclass(frozen=True)
@@ -39,9 +55,12 @@ class ModelShape:
     num_experts: int
     top_k: int
     num_shared_experts: int
+    activation: ActivationKind = "swiglu"
+    has_bias: bool = False
 
 
-# The shapes the design benchmarks: (H, I, E, top-k, shared).
+# The shapes the design benchmarks: (H, I, E, top-k, shared); gpt-oss (public config.json of openai/gpt-oss-120b and
+# -20b: hidden 2880, intermediate 2880, 128 / 32 local experts, 4 per token, clamped SwiGLU, biased projections).
 MODEL_SHAPES: dict[str, ModelShape] = {
     s.name: s
     for s in (
@@ -50,6 +69,8 @@ MODEL_SHAPES: dict[str, ModelShape] = {
         ModelShape("deepseek-v3", 7168, 2048, 256, 8, 1),
         ModelShape("glm-5", 6144, 2048, 256, 8, 1),
         ModelShape("glm-4.5", 5120, 1536, 160, 8, 1),
+        ModelShape("gpt-oss-120b", 2880, 2880, 128, 4, 0, "swiglu_clamped", True),
+        ModelShape("gpt-oss-20b", 2880, 2880, 32, 4, 0, "swiglu_clamped", True),
     )
 }
 
@@ -64,6 +85,12 @@ class MoEConfig:
 
     num_experts is the global routed-expert count E; each of the ep_size ranks holds E / ep_size of them.
     quant: "fp8_mxfp4" (FP8 E4M3 activations x MXFP4 weights, the product path) or "bf16" (unquantised).
+    masked_ids: topk_ids == -1 marks a slot that contributes nothing (a serving engine's padded CUDA-graph rows,
+    vLLM's expert_map for non-local experts, DeepEP's masked layout): it is dropped on every backend, its routing
+    weight is neither used nor checked, and a token whose every slot is -1 yields its shared-expert output only
+    (zeros without shared experts). Any other id outside [0, E) is still an error.
+    activation / swiglu_alpha / swiglu_limit / has_bias: the expert's activation and biases (module docstring).
+    H and I need not be multiples of the kernels' tiles: they are padded internally (`padded()`).
     """
 
     hidden_size: int
@@ -74,6 +101,11 @@ class MoEConfig:
     ep_size: int = 1
     max_tokens_per_rank: int = 256
     quant: QuantMode = "fp8_mxfp4"
+    masked_ids: bool = False
+    activation: ActivationKind = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    has_bias: bool = False
 
     def __post_init__(self) -> None:
         for f in ("hidden_size", "intermediate_size", "num_experts", "top_k", "ep_size", "max_tokens_per_rank"):
@@ -83,15 +115,14 @@ class MoEConfig:
         s = self.num_shared_experts
         if not isinstance(s, int) or isinstance(s, bool) or s < 0:
             _fail("num_shared_experts", f"must be an int >= 0, got {s!r}")
-        h, i, e, k, p = self.hidden_size, self.intermediate_size, self.num_experts, self.top_k, self.ep_size
+        e, k, p = self.num_experts, self.top_k, self.ep_size
+        i = self.padded_intermediate  # (H and I themselves are padded to the kernels' multiples internally)
         if i > MAX_INTERMEDIATE:
             _fail(
-                "intermediate_size", f"I = {i} exceeds the limit I <= {MAX_INTERMEDIATE} (64-bit W1 completion bitmap)"
+                "intermediate_size",
+                f"I = {self.intermediate_size} (padded to {i}) exceeds the limit I <= {MAX_INTERMEDIATE} "
+                "(64-bit W1 completion bitmap)",
             )
-        if i % INTERMEDIATE_MULTIPLE:
-            _fail("intermediate_size", f"I = {i} must be a multiple of {INTERMEDIATE_MULTIPLE} (K128 tiles)")
-        if h % HIDDEN_MULTIPLE:
-            _fail("hidden_size", f"H = {h} must be a multiple of {HIDDEN_MULTIPLE}")
         if k + s > MAX_SLOTS:
             _fail("top_k", f"top_k + num_shared_experts = {k} + {s} exceeds the limit {MAX_SLOTS}")
         if e > MAX_EXPERTS:
@@ -106,6 +137,18 @@ class MoEConfig:
             _fail("max_tokens_per_rank", f"{self.max_tokens_per_rank} exceeds the limit {MAX_TOKENS_PER_RANK}")
         if self.quant not in ("fp8_mxfp4", "bf16"):
             _fail("quant", f"must be 'fp8_mxfp4' or 'bf16', got {self.quant!r}")
+        if not isinstance(self.masked_ids, bool):
+            _fail("masked_ids", f"must be a bool, got {self.masked_ids!r}")
+        if self.activation not in ACTIVATIONS:
+            _fail("activation", f"must be one of {', '.join(map(repr, ACTIVATIONS))}, got {self.activation!r}")
+        for f in ("swiglu_alpha", "swiglu_limit"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                _fail(f, f"must be a finite number > 0, got {v!r}")
+        if not isinstance(self.has_bias, bool):
+            _fail("has_bias", f"must be a bool, got {self.has_bias!r}")
+        if self.has_bias and s:
+            _fail("has_bias", f"biased experts with {s} shared expert(s) are not supported (no bias for shared ones)")
 
     @property
     def local_experts(self) -> int:
@@ -115,6 +158,26 @@ class MoEConfig:
     def slots(self) -> int:
         """Expert applications per token: routed top-k plus shared experts."""
         return self.top_k + self.num_shared_experts
+
+    @property
+    def padded_hidden(self) -> int:
+        """H rounded up to the kernels' multiple (HIDDEN_MULTIPLE)."""
+        return -(-self.hidden_size // HIDDEN_MULTIPLE) * HIDDEN_MULTIPLE
+
+    @property
+    def padded_intermediate(self) -> int:
+        """I rounded up to the kernels' multiple (INTERMEDIATE_MULTIPLE)."""
+        return -(-self.intermediate_size // INTERMEDIATE_MULTIPLE) * INTERMEDIATE_MULTIPLE
+
+    @property
+    def needs_padding(self) -> bool:
+        return (self.padded_hidden, self.padded_intermediate) != (self.hidden_size, self.intermediate_size)
+
+    def padded(self) -> MoEConfig:
+        """The kernel-facing config: H and I padded to the kernels' multiples (itself when they already are)."""
+        if not self.needs_padding:
+            return self
+        return self.replace(hidden_size=self.padded_hidden, intermediate_size=self.padded_intermediate)
 
     def replace(self, **changes) -> MoEConfig:
         return dataclasses.replace(self, **changes)
@@ -126,8 +189,15 @@ class MoEConfig:
             s = MODEL_SHAPES[name]
         except KeyError:
             raise ValueError(f"gcmoe: model: unknown model {name!r}; known: {', '.join(MODEL_SHAPES)}") from None
+        expert = {"activation": s.activation, "has_bias": s.has_bias}
         return cls(
-            s.hidden_size, s.intermediate_size, s.num_experts, s.top_k, s.num_shared_experts, ep_size, **overrides
+            s.hidden_size,
+            s.intermediate_size,
+            s.num_experts,
+            s.top_k,
+            s.num_shared_experts,
+            ep_size,
+            **{**expert, **overrides},
         )
 
     @classmethod
@@ -142,6 +212,8 @@ class MoEConfig:
             "top_k": full.top_k,
             "num_shared_experts": full.num_shared_experts,
             "ep_size": 1,
+            "activation": full.activation,
+            "has_bias": full.has_bias,
         }
         return cls(**{**fields, **overrides})
 
@@ -158,6 +230,9 @@ def _check_tensor(arg: str, t, dtypes: tuple[torch.dtype, ...], shape: tuple[int
             _fail(arg, f"shape {tuple(t.shape)}: dim {axis} must be {want}")
     if not t.is_contiguous():
         _fail(arg, f"must be contiguous (strides {t.stride()})")
+    # a lazy view: the kernel backends read the memory, which holds other values (real tensors only: not traced)
+    if not torch.compiler.is_compiling() and (t.is_neg() or t.is_conj()):
+        _fail(arg, "is a lazily negated / conjugated view; pass a materialised tensor (.resolve_neg())")
 
 
 def validate_call(
@@ -171,9 +246,9 @@ def validate_call(
 ) -> None:
     """Raise ValueError naming the argument and the limit for any bad call argument; nothing launches before."""
     _check_tensor("x", x, (torch.bfloat16,), (None, cfg.hidden_size))
+    if not torch.compiler.is_compiling() and x.data_ptr() % 4:  # (the kernels load x two bf16 at a time)
+        _fail("x", f"data must be 4-byte aligned, got address {x.data_ptr():#x} (an odd storage offset)")
     t = x.shape[0]
-    if t == 0:
-        _fail("x", "T = 0 tokens: call the layer only with at least one token")
     if t > cfg.max_tokens_per_rank:
         _fail("x", f"T = {t} tokens exceeds max_tokens_per_rank = {cfg.max_tokens_per_rank}")
     _check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), (t, cfg.top_k))
@@ -184,15 +259,27 @@ def validate_call(
         if ten.device != x.device:
             _fail(arg, f"is on {ten.device} but x is on {x.device}")
     if check_values:
-        check_call_values(cfg.num_experts, topk_ids, topk_weights)
+        check_call_values(cfg.num_experts, topk_ids, topk_weights, cfg.masked_ids)
 
 
-def check_call_values(num_experts: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
-    """The checks that read device memory — one host sync: ids in [0, E), finite routing weights."""
+MASKED_ID = -1  # with MoEConfig.masked_ids: the id of a slot that contributes nothing
+
+
+def check_call_values(
+    num_experts: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor, masked_ids: bool = False
+) -> None:
+    """The checks that read device memory — one host sync: ids in [0, E) (or -1 with masked_ids, whose weights are
+    not checked), finite routing weights."""
     ids = topk_ids.long()
-    lo, hi, bad_w = torch.stack((ids.min(), ids.max(), (~torch.isfinite(topk_weights)).any().long())).tolist()
+    bad_w = ~torch.isfinite(topk_weights)
+    if masked_ids:
+        masked = ids == MASKED_ID
+        bad_w = bad_w & ~masked
+        ids = torch.where(masked, 0, ids)  # the range check below sees only the unmasked ids
+    lo, hi, bad_w = torch.stack((ids.min(), ids.max(), bad_w.any().long())).tolist()
     if lo < 0:
-        _fail("topk_ids", f"holds a negative expert id ({lo}); ids must be in [0, {num_experts})")
+        allowed = f"[0, {num_experts}) or {MASKED_ID} (masked_ids)" if masked_ids else f"[0, {num_experts})"
+        _fail("topk_ids", f"holds a negative expert id ({lo}); ids must be in {allowed}")
     if hi >= num_experts:
         _fail("topk_ids", f"holds expert id {hi}, out of range [0, {num_experts})")
     if bad_w:
@@ -223,5 +310,7 @@ def validate_weights(
     for name, w in (("w13", w13), ("w2", w2), ("shared_w13", shared_w13), ("shared_w2", shared_w2)):
         if w is not None and w.device != w13.device:
             _fail(name, f"is on {w.device} but w13 is on {w13.device}")
+        if w is not None and w.is_meta:
+            _fail(name, "is a meta tensor: it holds no values to load")
         if w is not None and not bool(torch.isfinite(w).all()):
             _fail(name, "holds non-finite values (NaN or Inf); MXFP4 cannot encode them")

@@ -11,6 +11,7 @@ quantised tokens: dispatch moves bytes, it never re-quantises.
 
 Combine (role3) on source rank r: slot_rows [T_r, k, H] bf16, row (t, j) written by the rank owning expert ids[t, j]
 (its W2 scatter), then y_r = combine_slots(slot_rows ++ shared rows) (shared experts are replicated on every rank).
+A masked slot (id -1, MoEConfig.masked_ids) is no rank's: no dispatch receives it and its slot row stays zero.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from .formats import quantize_fp8_e4m3_1x128
-from .reference import MoEWeights, activation_input, combine_slots, routed_slot_rows, shared_slot_rows
+from .reference import (
+    SWIGLU,
+    Activation,
+    MoEWeights,
+    activation_input,
+    combine_slots,
+    routed_slot_rows,
+    shared_slot_rows,
+)
 
 
 @dataclass
@@ -94,10 +103,12 @@ def multirank_reference(
     topk_weights: list[torch.Tensor],
     weights_global: MoEWeights,
     shared_in_ring: bool = False,
+    act: Activation = SWIGLU,
 ) -> tuple[list[RankDispatch], list[RankCombine]]:
     """Every rank's expected dispatch result and combine result. weights_global holds all E experts (rank q uses its
-    E/P slice); per-slot rows use the same per-expert functions as moe_reference. shared_in_ring: the shared experts
-    ride each rank's ring (its dispatch result includes them, see dispatch_reference)."""
+    E/P slice, biases included); per-slot rows use the same per-expert functions and activation `act` as
+    moe_reference. shared_in_ring: the shared experts ride each rank's ring (its dispatch result includes them, see
+    dispatch_reference)."""
     p = len(xs)
     e = weights_global.num_experts
     if e % p:
@@ -112,12 +123,15 @@ def multirank_reference(
     ]
     el = e // p
     for q in range(p):
-        local = MoEWeights(weights_global.w13[q * el : (q + 1) * el], weights_global.w2[q * el : (q + 1) * el])
+        mine = slice(q * el, (q + 1) * el)
+        bias = weights_global.biases()
+        bias = (None, None) if bias is None else (bias[0][mine], bias[1][mine])
+        local = MoEWeights(weights_global.w13[mine], weights_global.w2[mine], None, None, *bias)
         for r in range(p):
-            rows, written = routed_slot_rows(x_in[r], topk_ids[r], topk_weights[r], local, expert_base=q * el)
+            rows, written = routed_slot_rows(x_in[r], topk_ids[r], topk_weights[r], local, expert_base=q * el, act=act)
             slot_rows[r] = torch.where(written.unsqueeze(-1), rows, slot_rows[r])
     combine = []
     for r in range(p):
-        shared = shared_slot_rows(x_in[r], weights_global)
+        shared = shared_slot_rows(x_in[r], weights_global, act=act)
         combine.append(RankCombine(slot_rows[r], combine_slots(torch.cat((slot_rows[r], shared), dim=1))))
     return dispatch, combine

@@ -12,6 +12,7 @@ bench                     python -m gcmoe_gemm_sm90.bench: W1+W2 vs the FP4 floo
 """
 
 __version__ = "0.1.0"
+CLAMPED_SWIGLU_AND_BIAS = True  # the epilogues take Sm90Config.activation = "swiglu_clamped" and .bias (gpt-oss)
 
 
 def kernels_missing() -> str | None:

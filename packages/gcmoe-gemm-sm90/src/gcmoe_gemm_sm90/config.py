@@ -35,6 +35,13 @@ stream_k   W1 only, unsplit: a grid of `ctas` CTAs (the SM slots) over the activ
            split clusters give 288 CTAs, a second wave)
 ring_bm    rows per ring block (gcmoe-comm's BM): the grain of the L1_FULL tags; expert row offsets are multiples
            of it, not of the N tile (the TMA boxes start at any row)
+activation the W1 epilogue's activation, a compile-time choice: "swiglu" (silu(gate) * up) or "swiglu_clamped"
+           (gpt-oss: gate = min(gate, limit), up = clamp(up, +-limit), gate * sigmoid(alpha gate) * (up + 1); alpha
+           and limit are compiled in as constants; gcmoe_core.reference.Activation is the formula)
+bias       W1 adds b13 (fp32 [E, 2I], gate then up entries) to gate and up before the activation; W2 adds
+           route_w[row] * b2 (fp32 [E, M]) to each row before its bf16 store (h already carries the routing weight, so
+           this is the routing weight times the biased expert output). Off (the default, as choose_config leaves both
+           epilogue flags): the kernels compile to the code without them
 
 Measured and removed (git history and docs/benchmarks keep them): the v4 register weight stream, three CTAs per SM,
 the decode's shifts on the FMA pipe, the stage ablations and per-CTA trace stamps (sm90-grouped-v5 .. v7 records).
@@ -75,6 +82,10 @@ class Sm90Config:
     expert_sync: bool = True
     ring_bm: int = 8
     stream_k: bool = False
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    bias: bool = False
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:
@@ -95,6 +106,12 @@ class Sm90Config:
             raise ValueError(f"Sm90Config: stream_k runs W1 unsplit (splits[0] = 1), got {self.splits}")
         if self.ring_bm < 8 or self.ring_bm % 8:
             raise ValueError(f"Sm90Config: ring_bm must be a positive multiple of 8, got {self.ring_bm}")
+        if self.activation not in ("swiglu", "swiglu_clamped"):
+            raise ValueError(f"Sm90Config: activation must be 'swiglu' or 'swiglu_clamped', got {self.activation!r}")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            v = getattr(self, name)
+            if not isinstance(v, float) or not 0.0 < v < float("inf"):
+                raise ValueError(f"Sm90Config: {name} must be a finite float > 0, got {v!r}")
 
 
 def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1) -> int:

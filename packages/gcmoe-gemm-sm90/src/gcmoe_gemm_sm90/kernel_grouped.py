@@ -6,6 +6,14 @@ scatter), one expert per grid column, register-A WGMMA with the FP4 -> E4M3 deco
     W1 epilogue: h = silu(acc[gate rows]) * acc[up rows] * route_w -> FP8 E4M3 per token per 128 columns (+ scale)
     W2 epilogue: rank src[row, 0]'s output rows: (comb[src[row, 0]] as bf16 [*, M])[dst[row], 256 mt + m] =
                  bf16(acc[m, token]) — comb is the combine-buffer peer table (one entry: a local output)
+    compile-time epilogue options (gpt-oss; off by default, and then not a single instruction of them is emitted):
+      cfg.activation = "swiglu_clamped": gate = min(gate, limit), up = clamp(up, -limit, limit),
+                 h = gate / (1 + exp(-alpha gate)) * (up + 1) * route_w   (alpha, limit compiled in)
+      cfg.bias:  W1 adds b13[e, c] / b13[e, I + c] to gate / up before the activation (fp32); W2 stores
+                 bf16(acc + route_w[row] * b2[e, m]): h carries the routing weight already, so the row is the
+                 routing weight times the biased expert output. W2 reads route_w of its rows from the same array
+                 W1 read it from (in ring mode the ring rows' weights, written by dispatch before its L1_FULL tags,
+                 which W1 acquired before it released W1_DONE / finished, which W2 waited for)
 
 Threads (cfg.warpgroups): 2 warpgroups, warpgroup j owns rows [128 j, 128 j + 128) of the tile as 2 WGMMA subtiles of
 64 rows; or 4 warpgroups (N 32-64: half the accumulator registers per thread, 16 warps per SM at one CTA per SM),
@@ -122,6 +130,12 @@ SK_TABLE = 8  # stream_k: tiles per CTA whose coordinates are kept in shared mem
 SIG_WORDS = 8  # by-value addresses: ring mode's INUSE, CGEN, OFFS, ERR, L1_FULL, W1_DONE; stream_k's partials, counters
 
 
+def sig_words(mode: str, cfg: Sm90Config) -> int:
+    """By-value address words of a variant: SIG_WORDS, then with cfg.bias the epilogue's fp32 operands (W1: b13
+    [E, 2I]; W2: b2 [E, M], route_w [R]), so the default variants keep today's parameter list."""
+    return SIG_WORDS + ((1 if mode == "w1" else 2) if cfg.bias else 0)
+
+
 class GroupedGemmSm90:
     """One compiled variant: mode 'w1' or 'w2', weight rows M, reduction K, config."""
 
@@ -142,6 +156,8 @@ class GroupedGemmSm90:
         self.threads = 128 * self.wgs
         self.expert_sync = cfg.ring and cfg.expert_sync  # W1_DONE tags per expert instead of W2's grid-wide wait
         self.stream_k = cfg.stream_k and self.is_w1  # W1: a grid of `ctas` CTAs over equal window ranges
+        self.clamped = cfg.activation == "swiglu_clamped"  # (gpt-oss) W1's clamped SwiGLU
+        self.bias = cfg.bias  # W1 + b13, W2 + route_w * b2 (addresses: sig[8], sig[9])
 
     @cute.jit
     def __call__(
@@ -539,6 +555,8 @@ class GroupedGemmSm90:
                         t0,
                         prow + col_base,
                         pcount - col_base,
+                        pe,
+                        sig,
                     )
                     if cutlass.const_expr(self.stream_k and self.expert_sync):
                         # every (N tile, M tile) of the expert counts once in W1_DONE
@@ -552,7 +570,9 @@ class GroupedGemmSm90:
                     if cutlass.const_expr(self.cfg.ring):
                         if ld_u32(sig[3]) != 0:  # a wait of this call failed: store nothing
                             valid = Int32(0)
-                    self.epilogue_w2(acc0, acc1, ep_a, ep_b, ep_c, pmt, wg, sb, wwarp, g, t0, prow + col_base, valid)
+                    self.epilogue_w2(
+                        acc0, acc1, ep_a, ep_b, ep_c, pmt, wg, sb, wwarp, g, t0, prow + col_base, valid, pe, sig
+                    )
             if cutlass.const_expr(self.splits > 1):
                 if piece + 1 < npieces:  # the leader has read this tile's partials before they are pushed again
                     cute.arch.cluster_arrive()
@@ -1007,14 +1027,25 @@ class GroupedGemmSm90:
         t0: Int32,
         row0: Int32,
         valid: Int32,
+        e: Int32,
+        sig: tuple,
     ):
         """h = silu(gate) * up * rw per (token, intermediate column); FP8 per token per the tile's 128 columns.
-        Subtile s of the warpgroup holds intermediate columns c_base + 32 (sb + s) (gate rows r, up rows r + 8)."""
+        Subtile s of the warpgroup holds intermediate columns c_base + 32 (sb + s) (gate rows r, up rows r + 8).
+        cfg.bias / cfg.activation: gate and up get expert e's b13 entries, then the clamped activation."""
         ncol = self.n // 4
         hs = [cute.make_rmem_tensor(ncol, Float32) for _ in range(self.subs)]
         accs = (acc0, acc1)[: self.subs]
         warps = self.threads // 32
         warp = 4 * (wg * (self.wgs // 2) + sb) + wwarp
+        if cutlass.const_expr(self.bias):
+            # the b13 entries of the thread's intermediate columns (one per subtile): gate at c, up at I + c
+            bg = cute.make_rmem_tensor(self.subs, Float32)
+            bu = cute.make_rmem_tensor(self.subs, Float32)
+            for s in cutlass.range_constexpr(self.subs):
+                at = sig[8] + (Int64(e) * self.m + 128 * mt + 64 * wg + 8 * wwarp + g + 32 * (sb + s)) * 4
+                bg[s] = bits_to_f32(ld_u32(at))
+                bu[s] = bits_to_f32(ld_u32(at + self.m // 2 * 4))
         for c in cutlass.range_constexpr(ncol):
             v0, q = c % 2, c // 2
             col = 2 * t0 + v0 + 8 * q
@@ -1025,7 +1056,17 @@ class GroupedGemmSm90:
             m = Float32(0.0)
             for s in cutlass.range_constexpr(self.subs):
                 gate, up = accs[s][i_gate], accs[s][i_up]
-                hs[s][c] = gate / (Float32(1.0) + cute.math.exp(-gate)) * up * w
+                if cutlass.const_expr(self.bias):
+                    gate = gate + bg[s]
+                    up = up + bu[s]
+                if cutlass.const_expr(self.clamped):
+                    lim = Float32(self.cfg.swiglu_limit)
+                    gate = cute.arch.fmin(gate, lim)
+                    up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
+                    sig_a = Float32(1.0) + cute.math.exp(-(Float32(self.cfg.swiglu_alpha) * gate))
+                    hs[s][c] = gate / sig_a * (up + Float32(1.0)) * w
+                else:
+                    hs[s][c] = gate / (Float32(1.0) + cute.math.exp(-gate)) * up * w
                 m = cute.arch.fmax(m, cute.math.absf(hs[s][c]))
             for off in cutlass.range_constexpr(3):
                 m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=4 << off))
@@ -1067,19 +1108,39 @@ class GroupedGemmSm90:
         t0: Int32,
         row0: Int32,
         valid: Int32,
+        e: Int32,
+        sig: tuple,
     ):
         """Rank src[row, 0]'s output, bf16 [*, M] at comb[src[row, 0]]: row dst[row], columns m = bf16(acc) for the
-        tile's 256 output columns (subtile s of the warpgroup: rows 64 (sb + s) of its 128)."""
+        tile's 256 output columns (subtile s of the warpgroup: rows 64 (sb + s) of its 128); cfg.bias: bf16(acc +
+        route_w[row] * b2[e, m])."""
         m_base = 256 * mt + 128 * wg + 64 * sb + 16 * wwarp + g
+        if cutlass.const_expr(self.bias):
+            # the routing weight of each of the thread's token columns, and expert e's b2 of its output columns
+            rwc = cute.make_rmem_tensor(self.n // 4, Float32)
+            for c in cutlass.range_constexpr(self.n // 4):
+                col = 2 * t0 + (c % 2) + 8 * (c // 2)
+                v = Float32(0.0)
+                if col < valid:
+                    v = bits_to_f32(ld_u32(sig[9] + Int64(row0 + col) * 4))
+                rwc[c] = v
+            b2 = cute.make_rmem_tensor(2 * self.subs, Float32)  # [row u + 2 subtile s]
+            for j in cutlass.range_constexpr(2 * self.subs):
+                b2[j] = bits_to_f32(ld_u32(sig[8] + (Int64(e) * self.m + m_base + 8 * (j % 2) + 64 * (j // 2)) * 4))
         for i in cutlass.range_constexpr(self.n // 2):
             v0, v1, q = i % 2, (i // 2) % 2, i // 4
             col = 2 * t0 + v0 + 8 * q
             if col < valid:
                 row = row0 + col
                 base = comb[src[row, 0]] + (Int64(dst[row]) * self.m + m_base + 8 * v1) * 2
-                st_bf16(base, acc0[i])
-                if cutlass.const_expr(self.subs == 2):
-                    st_bf16(base + 128, acc1[i])
+                if cutlass.const_expr(self.bias):
+                    st_bf16(base, acc0[i] + rwc[v0 + 2 * q] * b2[v1])
+                    if cutlass.const_expr(self.subs == 2):
+                        st_bf16(base + 128, acc1[i] + rwc[v0 + 2 * q] * b2[v1 + 2])
+                else:
+                    st_bf16(base, acc0[i])
+                    if cutlass.const_expr(self.subs == 2):
+                        st_bf16(base + 128, acc1[i])
 
 
 def fake_operands(mode: str, m: int, k: int, ranks_sym=None):
@@ -1117,7 +1178,7 @@ def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
     if why:
         raise ValueError(f"sm90 {mode}: {why}")
     kern = GroupedGemmSm90(mode, m, k, cfg)
-    sig = tuple(Int64(0) for _ in range(SIG_WORDS))
+    sig = tuple(Int64(0) for _ in range(sig_words(mode, cfg)))
     return compile_kernel(
         kern,
         *fake_operands(mode, m, k),
@@ -1128,5 +1189,6 @@ def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
         Int32(1),
         crt.make_fake_stream(),
         arch=arch,
-        name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}{'_ring' if cfg.ring else ''}{'_sk' if cfg.stream_k else ''}",
+        name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}{'_ring' if cfg.ring else ''}{'_sk' if cfg.stream_k else ''}"
+        f"{'_clamp' if cfg.activation == 'swiglu_clamped' else ''}{'_bias' if cfg.bias else ''}",
     )

@@ -8,6 +8,11 @@ models of the two kernels. The operator's layer runs in gcmoe (its sm90 backend)
     weights = MoESm90.from_weights(moe_weights)      # prepack W13 (gate/up interleaved) and W2, shared appended
     emulate_w1 / emulate_w2                          # torch models of the kernels' outputs (any device)
 
+Biases (cfg.bias, gpt-oss): launch_w1(..., bias=b13 fp32 [E, 2I]) and launch_w2(..., route_w=the rows' routing
+weights fp32 [R] (W1's route_w: the ring rows carry it), bias=b2 fp32 [E, H]); their addresses ride the kernels'
+by-value words after the signal addresses. cfg.activation picks the W1 epilogue's activation (MoESm90.config_for sets
+both from the layer).
+
 ring: a RingSync (the comm workspace's signal addresses, the call's ticket, the wait bound) for the kernels' ring mode
 (Sm90Config.ring); None on prepared rows. scratch: W1's StreamKScratch where cfg.stream_k (owned by the caller: the
 layer's lane; w1() on prepared rows makes one per call).
@@ -20,9 +25,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from gcmoe_core.cutedsl import as_cute
-from gcmoe_core.formats import MXFP4Tensor, quantize_fp8_e4m3_1x128
+from gcmoe_core.formats import MXFP4Tensor
 from gcmoe_core.grouping import Activations, RowLayout
-from gcmoe_core.reference import MoEWeights
+from gcmoe_core.reference import SWIGLU, Activation, MoEWeights, w1_reference, w2_reference
 
 from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config
 from .prepack import PackedSm90, lut_words, prepack_sm90
@@ -89,12 +94,15 @@ def _launch(
     ring: RingSync | None,
     scratch: StreamKScratch | None = None,
     sk_ctas: int | None = None,
+    extra: tuple[torch.Tensor, ...] = (),
 ):
+    """extra: the epilogue's fp32 operands whose addresses follow the signal words (cfg.bias: W1 b13; W2 b2,
+    route_w), checked by the caller."""
     import cuda.bindings.driver as cuda
 
     from gcmoe_core.cutedsl import cutlass_modules, target_arch
 
-    from .kernel_grouped import SIG_WORDS, compiled
+    from .kernel_grouped import compiled, sig_words
 
     dev = x_rows.device
     e = packed.experts
@@ -122,7 +130,8 @@ def _launch(
     else:
         sig = tuple(i64(a) for a in (ring.inuse, ring.cgen, ring.offs, ring.err, ring.l1_full, ring.w1_done, *sk))
         ticket, timeout = ring.ticket, ring.timeout_ns
-    assert len(sig) == SIG_WORDS
+    sig += tuple(i64(t.data_ptr()) for t in extra)
+    assert len(sig) == sig_words(mode, cfg)
     kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
     wq = packed.data.view(torch.int32).view(-1, 128, 4)
     ws = packed.scales.view(-1, 256)
@@ -157,16 +166,18 @@ def launch_w1(
     ring: RingSync | None = None,
     scratch: StreamKScratch | None = None,
     sk_ctas: int | None = None,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """W1 on expert-sorted rows: x_rows uint8 [R, H] (FP8 bits), sxT fp32 [H/128, R], route_w fp32 [R], offsets
     int32 [E + 1] (multiples of 8), counts int32 [E] -> hq uint8 [R, I] (FP8 bits), hsT fp32 [I/128, R].
     cfg.stream_k: scratch (StreamKScratch) is required; sk_ctas CTAs (default: the scratch's, two per SM) share the
-    windows (two per SM of the partition it runs on)."""
+    windows (two per SM of the partition it runs on). cfg.bias: bias = b13 fp32 [E, 2I] (gate then up entries)."""
     rows, inter = x_rows.shape[0], packed.m // 2
     if hq.shape != (rows, inter) or hq.dtype != torch.uint8 or hsT.shape != (packed.m // TILE_M, rows):
         raise ValueError(f"sm90 w1: hq / hsT must be uint8 [{rows}, {inter}] / fp32 [{packed.m // TILE_M}, {rows}]")
+    extra = _epilogue_operands("w1", cfg, ((bias, "bias", (packed.experts, packed.m)),), x_rows.device)
     ep = (as_cute(route_w, 0, 4), as_cute(hq, 0, 16), as_cute(hsT, 1, 4))
-    _launch("w1", packed, x_rows, sxT, offsets, counts, ep, cfg, ring, scratch, sk_ctas)
+    _launch("w1", packed, x_rows, sxT, offsets, counts, ep, cfg, ring, scratch, sk_ctas, extra)
 
 
 def launch_w2(
@@ -180,34 +191,72 @@ def launch_w2(
     comb: torch.Tensor,
     cfg: Sm90Config,
     ring: RingSync | None = None,
+    route_w: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """W2: row i's bf16 output [H] goes to row dst[i] of rank src[i, 0]'s output buffer, whose address is comb[rank]
-    (int64 [P]: the combine buffers of every rank, or one local output)."""
+    (int64 [P]: the combine buffers of every rank, or one local output). cfg.bias: + route_w[i] * bias[e] before
+    the store (route_w fp32 [R]: W1's routing weights of the same rows; bias = b2 fp32 [E, H])."""
     if src.dim() != 2 or src.shape[1] != 3 or comb.dtype != torch.int64 or dst.dtype != torch.int32:
         raise ValueError("sm90 w2: dst int32 [R], src int32 [R, 3], comb int64 [P]")
+    operands = ((bias, "bias", (packed.experts, packed.m)), (route_w, "route_w", (hq.shape[0],)))
+    extra = _epilogue_operands("w2", cfg, operands, hq.device)
     ep = (as_cute(dst, 0, 4), as_cute(src, 0, 4), as_cute(comb, 0, 8))
-    _launch("w2", packed, hq, hsT, offsets, counts, ep, cfg, ring)
+    _launch("w2", packed, hq, hsT, offsets, counts, ep, cfg, ring, extra=extra)
 
 
-def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config):
-    """W1 on prepared rows -> (hq uint8 [R, I] FP8 bits, hsT fp32 [I/128, R])."""
+def _epilogue_operands(mode: str, cfg: Sm90Config, operands, device) -> tuple[torch.Tensor, ...]:
+    """The fp32 operands cfg.bias needs (name, tensor, shape), checked; none without it."""
+    given = [t is not None for t, _, _ in operands]
+    if any(given) != cfg.bias or (cfg.bias and not all(given)):
+        names = " and ".join(n for _, n, _ in operands)
+        raise ValueError(f"sm90 {mode}: {names} go with cfg.bias and only with it")
+    for t, name, shape in operands if cfg.bias else ():
+        if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous() or t.device != device:
+            raise ValueError(f"sm90 {mode}: {name} must be contiguous fp32 {shape} on {device}")
+    return tuple(t for t, _, _ in operands) if cfg.bias else ()
+
+
+def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config, bias: torch.Tensor | None = None):
+    """W1 on prepared rows -> (hq uint8 [R, I] FP8 bits, hsT fp32 [I/128, R]); bias: b13 where cfg.bias."""
     rows, dev = layout.rows, acts.x_rows.device
     hq = torch.empty(rows, packed.m // 2, dtype=torch.uint8, device=dev)
     hsT = torch.empty(packed.m // TILE_M, rows, dtype=torch.float32, device=dev)
     scratch = StreamKScratch.make(dev, cfg.n_tile) if cfg.stream_k else None
-    launch_w1(packed, acts.x_rows, acts.sxT, acts.route_w, layout.offsets, layout.counts, hq, hsT, cfg, None, scratch)
+    launch_w1(
+        packed,
+        acts.x_rows,
+        acts.sxT,
+        acts.route_w,
+        layout.offsets,
+        layout.counts,
+        hq,
+        hsT,
+        cfg,
+        None,
+        scratch,
+        bias=bias,
+    )
     return hq, hsT
 
 
 def w2(
-    packed: PackedSm90, hq: torch.Tensor, hsT: torch.Tensor, layout: RowLayout, out: torch.Tensor, cfg: Sm90Config
+    packed: PackedSm90,
+    hq: torch.Tensor,
+    hsT: torch.Tensor,
+    layout: RowLayout,
+    out: torch.Tensor,
+    cfg: Sm90Config,
+    route_w: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[slot, :] = W2_e h[row] for every valid row (slot = the row's (token, slot) index); bf16 [T*k, H]."""
+    """out[slot, :] = W2_e h[row] (+ route_w[row] b2_e where cfg.bias) for every valid row (slot = the row's (token,
+    slot) index); bf16 [T*k, H]."""
     if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[1] != packed.m or not out.is_contiguous():
         raise ValueError(f"sm90 w2: out must be contiguous bf16 [*, {packed.m}]")
     src = torch.zeros(layout.rows, 3, dtype=torch.int32, device=hq.device)  # every row to "rank 0": out
     comb = torch.full((1,), out.data_ptr(), dtype=torch.int64, device=hq.device)  # (capturable: no host copy)
-    launch_w2(packed, hq, hsT, layout.offsets, layout.counts, layout.src_slot, src, comb, cfg)
+    launch_w2(packed, hq, hsT, layout.offsets, layout.counts, layout.src_slot, src, comb, cfg, None, route_w, bias)
     return out
 
 
@@ -221,21 +270,34 @@ def layer_missing(hidden: int, inter: int, experts: int) -> str | None:
 
 
 class MoESm90:
-    """The prepacked weights of one rank's routed (+ shared, appended) experts for the sm90 kernels, and the kernel
-    configuration per call size. Runs nothing: the layer is gcmoe's sm90 backend."""
+    """The prepacked weights of one rank's routed (+ shared, appended) experts for the sm90 kernels, their epilogue
+    (activation; biases b13 fp32 [E, 2I], b2 fp32 [E, H] or None) and the kernel configuration per call size. Runs
+    nothing: the layer is gcmoe's sm90 backend."""
 
-    def __init__(self, w13: PackedSm90, w2: PackedSm90, num_routed: int, cfg: Sm90Config | None = None):
+    def __init__(
+        self,
+        w13: PackedSm90,
+        w2: PackedSm90,
+        num_routed: int,
+        cfg: Sm90Config | None = None,
+        act: Activation = SWIGLU,
+        bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         if not w13.gate_up or w2.gate_up or w13.experts != w2.experts or w13.m != 2 * w2.k or w13.k != w2.m:
             raise ValueError("MoESm90: w13 (gate/up interleaved) and w2 prepacks do not belong to one layer")
+        if bias is not None and (w13.experts != num_routed or bias[0].shape != (num_routed, w13.m)):
+            raise ValueError("MoESm90: biases need [E, 2I] / [E, H] fp32 for the routed experts only (no shared)")
         self.w13, self.w2 = w13, w2
         self.num_routed = num_routed
         self.num_shared = w13.experts - num_routed
         self.hidden, self.inter = w2.m, w2.k
         self.cfg = cfg
+        self.act = act
+        self.w13_bias, self.w2_bias = bias or (None, None)
 
     @classmethod
-    def from_weights(cls, weights: MoEWeights, cfg: Sm90Config | None = None) -> MoESm90:
-        """Prepack MXFP4 weights (shared experts appended after the routed ones)."""
+    def from_weights(cls, weights: MoEWeights, cfg: Sm90Config | None = None, act: Activation = SWIGLU) -> MoESm90:
+        """Prepack MXFP4 weights (shared experts appended after the routed ones); biases kept as they are."""
         if weights.quant != "fp8_mxfp4":
             raise ValueError("MoESm90: the sm90 kernels take MXFP4 weights (quant='fp8_mxfp4')")
         w13, w2_ = weights.shared_as_experts()
@@ -243,29 +305,45 @@ class MoESm90:
         why = layer_missing(h, two_i // 2, e)
         if why:
             raise ValueError(f"MoESm90: {why}")
-        return cls(prepack_sm90(w13, gate_up=True), prepack_sm90(w2_, gate_up=False), weights.num_experts, cfg)
+        p13, p2 = prepack_sm90(w13, gate_up=True), prepack_sm90(w2_, gate_up=False)
+        return cls(p13, p2, weights.num_experts, cfg, act, weights.biases())
 
     def tensors(self) -> list[torch.Tensor]:
-        """The device tensors that carry this layer (what the torch.library op receives)."""
-        return [self.w13.data, self.w13.scales, self.w2.data, self.w2.scales]
+        """The device tensors that carry this layer (what the torch.library op receives): weights, then biases."""
+        bias = [] if self.w13_bias is None else [self.w13_bias, self.w2_bias]
+        return [self.w13.data, self.w13.scales, self.w2.data, self.w2.scales, *bias]
 
     @classmethod
-    def from_tensors(cls, tensors: list[torch.Tensor], num_routed: int) -> MoESm90:
-        d13, s13, d2, s2 = tensors
+    def from_tensors(cls, tensors: list[torch.Tensor], num_routed: int, act: Activation = SWIGLU) -> MoESm90:
+        d13, s13, d2, s2, *bias = tensors
         w13 = PackedSm90(d13, s13, d13.shape[1] * TILE_M, d13.shape[2] * WINDOW_K, True, 0)
         w2_ = PackedSm90(d2, s2, d2.shape[1] * TILE_M, d2.shape[2] * WINDOW_K, False, 0)
-        return cls(w13, w2_, num_routed)
+        return cls(w13, w2_, num_routed, None, act, tuple(bias) or None)
+
+    @property
+    def epilogue(self) -> dict:
+        """The Sm90Config fields of this layer's epilogue (empty for SwiGLU without biases: the default kernels)."""
+        flags: dict = {}
+        if self.act.kind != "swiglu":
+            flags.update(activation=self.act.kind, swiglu_alpha=self.act.alpha, swiglu_limit=self.act.limit)
+        if self.w13_bias is not None:
+            flags["bias"] = True
+        return flags
 
     def config_for(self, tokens: int, top_k: int, sms: int = 132) -> Sm90Config:
-        """The kernel configuration for a call of `tokens` tokens per rank on `sms` SMs (self.cfg forces one)."""
+        """The kernel configuration for a call of `tokens` tokens per rank on `sms` SMs (self.cfg forces one; the
+        layer's epilogue flags apply to either)."""
         cfg = self.cfg or choose_config(tokens, top_k, self.num_routed, self.hidden, self.inter, sms, self.num_shared)
         if min(self.hidden, self.inter) // WINDOW_K % cfg.prefetch:
             cfg = replace(cfg, prefetch=1)
-        return cfg
+        return replace(cfg, **self.epilogue) if self.epilogue else cfg
 
 
-def emulate_w1(w13: MXFP4Tensor, acts: Activations, layout: RowLayout):
-    """Torch model of the W1 kernel's outputs (effective sm90 weights, FP32 math): (hq, hsT) for valid rows."""
+def emulate_w1(
+    w13: MXFP4Tensor, acts: Activations, layout: RowLayout, act: Activation = SWIGLU, bias: torch.Tensor | None = None
+):
+    """Torch model of the W1 kernel's outputs (effective sm90 weights, FP32 math: the reference's W1 on them):
+    (hq, hsT) for valid rows; bias: b13 fp32 [E, 2I] or None."""
     from .prepack import effective_weights_sm90
 
     eff = effective_weights_sm90(w13)
@@ -280,14 +358,22 @@ def emulate_w1(w13: MXFP4Tensor, acts: Activations, layout: RowLayout):
         if cnt[e] == 0:
             continue
         r = slice(offs[e], offs[e] + cnt[e])
-        gu = x[r] @ eff[e].T
-        h = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:] * acts.route_w[r].unsqueeze(1)
-        q, s = quantize_fp8_e4m3_1x128(h)
+        q, s = w1_reference(x[r], eff[e], acts.route_w[r], "fp8_mxfp4", act, None if bias is None else bias[e])
         hq[r], hsT[:, r] = q.view(torch.uint8), s.t()
     return hq, hsT
 
 
-def emulate_w2(w2_: MXFP4Tensor, hq: torch.Tensor, hsT: torch.Tensor, layout: RowLayout, out: torch.Tensor):
+def emulate_w2(
+    w2_: MXFP4Tensor,
+    hq: torch.Tensor,
+    hsT: torch.Tensor,
+    layout: RowLayout,
+    out: torch.Tensor,
+    route_w: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+):
+    """Torch model of the W2 kernel's stores (the reference's W2 on the effective weights): out[src_slot[row]] for
+    valid rows; with bias (b2 fp32 [E, H]) + route_w[row] b2."""
     from .prepack import effective_weights_sm90
 
     eff = effective_weights_sm90(w2_)
@@ -298,5 +384,6 @@ def emulate_w2(w2_: MXFP4Tensor, hq: torch.Tensor, hsT: torch.Tensor, layout: Ro
         if cnt[e] == 0:
             continue
         r = slice(offs[e], offs[e] + cnt[e])
-        out[layout.src_slot[r].long()] = (h[r] @ eff[e].T).to(torch.bfloat16)
+        b2 = None if bias is None else bias[e]
+        out[layout.src_slot[r].long()] = w2_reference(h[r], eff[e], None if route_w is None else route_w[r], b2)
     return out

@@ -12,6 +12,8 @@ from gcmoe_core.formats import MXFP4Tensor, quantize_mxfp4
 from gcmoe_core.reference import MoEWeights
 
 from .backends import BackendUnavailable, choose
+from .checkpoints import MoECheckpointInfo, load_moe_layer, load_moe_layer_weights
+from .engine import fused_experts
 from .layer import MoELayer, PackedMoE, moe, prepack
 
 __version__ = "0.1.0"
@@ -21,11 +23,15 @@ __all__ = [
     "BackendUnavailable",
     "CommError",
     "MXFP4Tensor",
+    "MoECheckpointInfo",
     "MoEConfig",
     "MoELayer",
     "MoEWeights",
     "PackedMoE",
     "choose",
+    "fused_experts",
+    "load_moe_layer",
+    "load_moe_layer_weights",
     "moe",
     "prepack",
     "quantize_mxfp4",

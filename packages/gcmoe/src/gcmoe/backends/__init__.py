@@ -137,18 +137,20 @@ def kernel_package_missing(module: str, cfg: MoEConfig | None) -> str | None:
             return f"a layer shape its kernels take ({why})"
         if cfg.quant != "fp8_mxfp4":
             return "quant='fp8_mxfp4' (its kernels are FP8 x MXFP4)"
+        if (cfg.activation != "swiglu" or cfg.has_bias) and not getattr(mod, "CLAMPED_SWIGLU_AND_BIAS", False):
+            return "activation='swiglu' without biases (its kernels' epilogues have no other)"
     return missing
 
 
 def flatten_weights(weights: MoEWeights) -> tuple[torch.Tensor, ...]:
-    """MoEWeights -> its tensors in order (MXFP4 as packed, scale), None entries dropped."""
+    """MoEWeights -> its tensors in order (MXFP4 as packed, scale), then the biases; None entries dropped."""
     from gcmoe_core.formats import MXFP4Tensor
 
     out: list[torch.Tensor] = []
     for w in weights.all():
         if w is not None:
             out += [w.packed, w.scale] if isinstance(w, MXFP4Tensor) else [w]
-    return tuple(out)
+    return tuple(out) + (weights.biases() or ())
 
 
 def _registry() -> dict[str, Backend]:

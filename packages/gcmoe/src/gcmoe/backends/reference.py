@@ -3,6 +3,7 @@
 prepack = the weights dequantised once into bf16 (exact for MXFP4); forward = moe_reference with the layer's
 quantisation mode (FP8 activations and intermediate for fp8_mxfp4): the sparse path (gather rows per expert, one host
 sync) in eager calls, the dense path (every expert over every row, no sync) while a CUDA graph is being captured.
+A masked slot (id -1, MoEConfig.masked_ids) is no expert's: the reference adds a zero row for it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from gcmoe_core.config import MoEConfig, check_call_values
-from gcmoe_core.reference import MoEWeights, moe_reference
+from gcmoe_core.reference import Activation, MoEWeights, moe_reference
 
 from . import LayerOptions, flatten_weights
 
@@ -18,13 +19,14 @@ from . import LayerOptions, flatten_weights
 class ReferencePlan:
     def __init__(self, cfg: MoEConfig, tensors: tuple[torch.Tensor, ...], device: torch.device):
         self.cfg, self.device = cfg, device
-        self.weights = MoEWeights(*tensors)
+        self.weights = MoEWeights.from_flat(tensors, cfg.has_bias)
+        self.act = Activation.of(cfg)
 
     def forward(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if check_values and not capturing:  # plain torch reads the ids anyway: one host sync
-            check_call_values(self.cfg.num_experts, topk_ids, topk_weights)
-        return moe_reference(x, topk_ids, topk_weights, self.weights, quant=self.cfg.quant)
+            check_call_values(self.cfg.num_experts, topk_ids, topk_weights, self.cfg.masked_ids)
+        return moe_reference(x, topk_ids, topk_weights, self.weights, quant=self.cfg.quant, act=self.act)
 
     def check(self) -> None:
         return None

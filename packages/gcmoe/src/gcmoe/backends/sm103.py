@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from gcmoe_core.config import MoEConfig, check_call_values
+from gcmoe_core.config import MASKED_ID, MoEConfig, check_call_values
 from gcmoe_core.grouping import Activations, RowLayout, grouped_forward
 from gcmoe_core.reference import MoEWeights
 from gcmoe_gemm_sm103 import VERIFIED_ON_HARDWARE, layer_missing
@@ -78,7 +78,11 @@ class Sm103Plan:
     def forward(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if check_values and not capturing:
-            check_call_values(self.cfg.num_experts, topk_ids, topk_weights)
+            check_call_values(self.cfg.num_experts, topk_ids, topk_weights, self.cfg.masked_ids)
+        if self.cfg.masked_ids:  # a masked slot rides expert 0 with weight 0: its rows are exact zeros
+            masked = topk_ids == MASKED_ID
+            topk_ids = torch.where(masked, torch.zeros_like(topk_ids), topk_ids)
+            topk_weights = torch.where(masked, torch.zeros_like(topk_weights), topk_weights)
         n_tile, hidden = self.kernel_config.n_tile, x.shape[1]
         return grouped_forward(
             x, topk_ids, topk_weights, self.num_routed, self.num_shared, n_tile, hidden, self._w1, self._w2
@@ -117,6 +121,11 @@ class Sm103Backend:
             raise ValueError(f"gcmoe: sm103: needs {ONE_RANK}; got ep_size = {cfg.ep_size}")
         if weights.quant != "fp8_mxfp4":
             raise ValueError(f"gcmoe: sm103: the kernels take MXFP4 weights (quant='fp8_mxfp4'), got {weights.quant}")
+        if cfg.activation != "swiglu" or cfg.has_bias:  # also when emulated: never a silently different expert
+            raise ValueError(
+                f"gcmoe: activation: the sm103 kernels' epilogue is plain SwiGLU without biases; got "
+                f"activation={cfg.activation!r}, has_bias={cfg.has_bias} (use backend='sm90' or 'reference')"
+            )
         w13, w2 = weights.to(device).shared_as_experts()
         experts, two_inter, hidden = w13.shape
         why = layer_missing(hidden, two_inter // 2, experts)

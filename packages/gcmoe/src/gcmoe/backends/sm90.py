@@ -31,7 +31,12 @@ Resources (all owned by the plan, none module-global):
     checks     ids outside [0, E) and non-finite weights are checked by publish on the device (a bad id is dropped,
                never dereferenced) and raised as ValueError on the next call (which waits for the previous call's
                publish when values are checked); a failed cross-rank wait raises CommError at the next call once
-               its finalize ran (or at layer.check()).
+               its finalize ran (or at layer.check()). With MoEConfig.masked_ids the comm kernels are compiled to
+               drop an id of -1 the same way without recording it (and without checking its weight).
+
+gpt-oss (MoEConfig.activation = "swiglu_clamped", has_bias): the same kernels compiled with their epilogue flags
+(Sm90Config.activation / bias, from MoESm90.config_for): W1 adds b13 and clamps, W2 adds the ring row's routing
+weight times b2 before its scatter. The layer sees H and I already padded (gcmoe.layer pads at load).
 
 LayerOptions(emulate=True): the same pipeline in torch on any device (ring emulation, kernel models), for CPU CI.
 """
@@ -94,9 +99,10 @@ class Sm90Backend:
 
 
 def _weights(cfg: MoEConfig, tensors, options: LayerOptions):
+    from gcmoe_core.reference import Activation
     from gcmoe_gemm_sm90.ops import MoESm90
 
-    moe = MoESm90.from_tensors(list(tensors), cfg.local_experts)
+    moe = MoESm90.from_tensors(list(tensors), cfg.local_experts, Activation.of(cfg))  # (+ biases: cfg.has_bias)
     moe.cfg = options.kernel_config
     return moe
 
@@ -206,7 +212,7 @@ class Lane:
                 self.ws = Workspace.symmetric(spec, plan.group)  # collective (a world-size-1 group: P = 1)
             else:
                 self.ws = Workspace.virtual(spec, dev)[0]
-            self.comm = CommRank(self.ws, timeout_ms=plan.timeout_ms)  # grids sized per bucket (_enqueue)
+            self.comm = CommRank(self.ws, timeout_ms=plan.timeout_ms, masked_ids=cfg.masked_ids)  # grids: _enqueue
             v = self.ws.views
             rows, inter = spec.capacity, cfg.intermediate_size
             self.hq = torch.zeros(rows, inter, dtype=torch.uint8, device=dev)
@@ -275,8 +281,11 @@ class Lane:
         sync = self._ring_sync(ticket)
         moe = self.plan.moe
         sk_ctas = 2 * (self.plan.sm_count - comm_sms)
-        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.sk_scratch, sk_ctas)
-        launch_w2(moe.w2, self.hq, self.hsT, offs, cnt, dst, src, self.comb, kcfg, sync)
+        b13, b2 = moe.w13_bias, moe.w2_bias  # (gpt-oss) W2 adds the ring rows' route_w times b2
+        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.sk_scratch, sk_ctas, b13)
+        launch_w2(
+            moe.w2, self.hq, self.hsT, offs, cnt, dst, src, self.comb, kcfg, sync, rw if b2 is not None else None, b2
+        )
 
     def _load_gemms(self, kcfg) -> None:
         """Compile + load one bucket's W1 / W2 by launching them with ERR set to WARMUP (they return at once)."""
@@ -457,10 +466,31 @@ def _buckets(max_tokens: int) -> list[int]:
     return [1 << i for i in range(token_bucket(max_tokens).bit_length())]
 
 
+_INIT_STREAMS: dict[int, torch.cuda.ExternalStream] = {}
+
+
+def _init_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """A stream of our own for lane set-up under a capture, made by the runtime, never drawn from torch's stream pool
+    (torch.cuda.Stream() cycles through 32 pooled streams per device, so a "new" one can be the very stream being
+    captured, whose synchronisation then invalidates the caller's capture: seen 2026-11-30). Per device, only ever
+    used inside _outside_capture, where it is drained before use ends: it carries no state between layers."""
+    s = _INIT_STREAMS.get(device.index)
+    if s is None:
+        from cuda.bindings import runtime as cudart
+
+        with torch.cuda.device(device):
+            err, handle = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"gcmoe: creating a set-up stream on {device} failed: {err}")
+        s = _INIT_STREAMS[device.index] = torch.cuda.ExternalStream(int(handle), device=device)
+    return s
+
+
 @contextlib.contextmanager
 def _outside_capture(device: torch.device):
     """Allocate and initialise a lane also while the caller's stream is being captured: relaxed capture mode for
-    this thread and a private stream, so the memsets and kernel loads are not recorded into the caller's graph."""
+    this thread and a stream that is not the captured one (_init_stream), so the memsets and kernel loads are not
+    recorded into the caller's graph."""
     if not torch.cuda.is_current_stream_capturing():
         yield
         return
@@ -468,7 +498,7 @@ def _outside_capture(device: torch.device):
 
     _, prev = cudart.cudaThreadExchangeStreamCaptureMode(cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
     try:
-        with torch.cuda.stream(torch.cuda.Stream(device=device)):
+        with torch.cuda.stream(_init_stream(device)):
             yield
             torch.cuda.current_stream(device).synchronize()
     finally:
@@ -497,16 +527,21 @@ class Sm90EmulatedPlan:
         from gcmoe_gemm_sm90.ops import emulate_w1, emulate_w2
 
         if check_values:
-            check_call_values(self.cfg.num_experts, topk_ids, topk_weights)
+            check_call_values(self.cfg.num_experts, topk_ids, topk_weights, self.cfg.masked_ids)
         spec, t, h = self.spec, x.shape[0], self.cfg.hidden_size
-        ring = dispatch_emulated(spec, 0, [topk_ids], [topk_weights], [x])
+        # publish drops an id outside [0, E) (a masked -1 too): no dispatch takes it, its combine row is zeroed
+        dropped = (topk_ids < 0) | (topk_ids >= spec.num_experts)
+        ring = dispatch_emulated(spec, 0, [topk_ids.masked_fill(dropped, -1)], [topk_weights], [x])
+        combine = torch.full((t, spec.slots, h), float("nan"), dtype=torch.bfloat16, device=x.device)
+        combine[:, : spec.top_k][dropped] = 0
         rows = torch.arange(spec.capacity, dtype=torch.int32, device=x.device)  # W2's output row i = ring row i
         layout = RowLayout(spec.bm, spec.capacity, ring.offsets, ring.counts, rows)
-        hq, hsT = emulate_w1(self.w13, Activations(ring.x_rows, ring.sxT, ring.route_w), layout)
-        out = emulate_w2(self.w2, hq, hsT, layout, torch.empty(spec.capacity, h, dtype=torch.bfloat16, device=x.device))
-        combine = torch.full((t * spec.slots, h), float("nan"), dtype=torch.bfloat16, device=x.device)
-        scatter_emulated(ring, out, [combine], spec.slots)  # W2's scatter to the (token, slot) combine rows
-        return combine_slots(combine.view(t, spec.slots, h))
+        moe = self.moe
+        hq, hsT = emulate_w1(self.w13, Activations(ring.x_rows, ring.sxT, ring.route_w), layout, moe.act, moe.w13_bias)
+        out = torch.empty(spec.capacity, h, dtype=torch.bfloat16, device=x.device)
+        out = emulate_w2(self.w2, hq, hsT, layout, out, ring.route_w, moe.w2_bias)
+        scatter_emulated(ring, out, [combine.view(t * spec.slots, h)], spec.slots)  # W2's scatter to the combine rows
+        return combine_slots(combine)
 
     def check(self) -> None:
         return None

@@ -1,0 +1,485 @@
+"""The CPU side of the GPU tools (tools/gpu): soak.py's inputs, schedule, on-device check loop (run here on CPU tensors
+with fake graphs, planted faults included), watchdog and report; sanitize_case.py's case list and kernel configs
+(compiled offline for sm_90a); racecheck_filter.py's verdicts on racecheck and initcheck logs; the sanitize.sh and
+run.sh wiring with stand-in tools."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools" / "gpu"
+sys.path.insert(0, str(TOOLS))
+
+import racecheck_filter  # noqa: E402
+import sanitize_case  # noqa: E402
+import soak  # noqa: E402
+
+from gcmoe_gemm_sm90.config import can_implement  # noqa: E402
+
+
+def _env(**extra) -> dict:
+    """This interpreter's bin folder first on PATH (python3 = the one with torch), plus `extra`."""
+    env = dict(os.environ, **extra)
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    return env
+
+
+# ------------------------------------------------------------------------------------------------ soak: inputs
+def _g(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _check_weights(w, t, k):
+    assert w.dtype == torch.float32 and w.shape == (t, k) and bool((w > 0).all())
+    assert torch.allclose(w.sum(1), torch.ones(t))
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed", "one_expert"])
+def test_soak_routings_with_distinct_ids(routing):
+    ids, w = soak.soak_routing(64, 4, 32, routing, _g(1))
+    assert ids.dtype == torch.int32 and ids.shape == (64, 4)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 32
+    assert all(len(set(row)) == 4 for row in ids.tolist())
+    _check_weights(w, 64, 4)
+    if routing == "one_expert":
+        assert bool((ids[:, 0] == 0).all())
+
+
+def test_skewed_routing_has_hot_and_empty_experts():
+    ids, _ = soak.soak_routing(2000, 4, 32, "skewed", _g(0))
+    counts = torch.bincount(ids.flatten().long(), minlength=32)
+    assert int(counts.max()) > 4 * (2000 * 4 / 32)  # the hottest expert: over 4x its uniform share
+    few, _ = soak.soak_routing(8, 4, 32, "skewed", _g(1))
+    assert int((torch.bincount(few.flatten().long(), minlength=32) == 0).sum()) >= 10  # at T = 8 many get nothing
+
+
+def test_duplicate_routing_repeats_an_expert_in_every_other_token():
+    ids, w = soak.soak_routing(9, 4, 16, "duplicate", _g(2))
+    for t, row in enumerate(ids.tolist()):
+        assert (row[1] == row[0]) == (t % 2 == 0)
+        assert len(set(row)) == (3 if t % 2 == 0 else 4)
+    _check_weights(w, 9, 4)
+
+
+def test_empty_ranks_routing_leaves_the_odd_ranks_without_rows():
+    ids, _ = soak.soak_routing(200, 4, 64, "empty_ranks", _g(3), ranks=4)
+    rank = (ids // 16).flatten()
+    assert set(rank.tolist()) == {0, 2}
+    assert all(len(set(row)) == 4 for row in ids.tolist())
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((4, 1, 16, "duplicate"), "top_k >= 2"),
+        ((4, 2, 16, "empty_ranks"), "P >= 2"),
+        ((4, 2, 16, "zipf"), "unknown routing"),
+    ],
+)
+def test_soak_routing_rejects(args, match):
+    with pytest.raises(ValueError, match=match):
+        soak.soak_routing(*args, _g())
+
+
+def test_pool_is_deterministic_cycles_routings_and_differs_between_sets():
+    spec = soak.LAYERS["C"]
+    a = soak.make_pool(spec, (5, 1, 8, 3), 7, seed=11)
+    b = soak.make_pool(spec, (5, 1, 8, 3), 7, seed=11)
+    assert len(a) == 7 and all(len(s) == 4 for s in a)
+    for sa, sb in zip(a, b, strict=True):
+        for ra, rb in zip(sa, sb, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(ra, rb, strict=True))
+    for (x, ids, w), t in zip(a[0], (5, 1, 8, 3), strict=True):
+        assert x.shape == (t, spec.hidden) and x.dtype == torch.bfloat16 and ids.shape == w.shape == (t, spec.top_k)
+    assert [soak.pool_routing(spec, j) for j in range(7)] == [*soak.routings_for(spec), "uniform", "skewed"]
+    empty = a[soak.routings_for(spec).index("empty_ranks")]
+    assert {int(i) // 16 for _, ids, _ in empty for i in ids.flatten()} <= {0, 2}
+    for j in range(7):  # consecutive sets (and the wrap-around) never share tokens
+        assert not torch.equal(a[j][0][0], a[(j + 1) % 7][0][0])
+    assert not torch.equal(soak.make_pool(spec, (5, 1, 8, 3), 2, seed=12)[0][0][0], a[0][0][0])
+    with pytest.raises(ValueError, match=">= 2 input sets"):
+        soak.make_pool(spec, (1,), 1, seed=0)
+
+
+def test_units_are_consistent_and_cover_both_rank_counts():
+    soak.check_units(soak.UNITS, soak.LAYERS)
+    assert {soak.LAYERS[u.layer].ranks for u in soak.UNITS} == {1, 4}
+    assert {u.stream for u in soak.UNITS} == {0, 1}
+    assert len({soak.LAYERS[u.layer] for u in soak.UNITS}) >= 2  # several shapes / weights
+    bad_stream = [soak.Unit("x", "A", (1,), 0), soak.Unit("y", "A", (2,), 1)]
+    with pytest.raises(ValueError, match="share one outer stream"):
+        soak.check_units(bad_stream, soak.LAYERS)
+    with pytest.raises(ValueError, match="token counts"):
+        soak.check_units([soak.Unit("x", "C", (1, 2), 0)], soak.LAYERS)
+    with pytest.raises(ValueError, match=r"outside \[1, 8\]"):
+        soak.check_units([soak.Unit("x", "C", (1, 2, 9, 1), 0)], soak.LAYERS)
+    assert [u.name for u in soak.select_units(["C-*"])] == [u.name for u in soak.UNITS if u.layer == "C"]
+    with pytest.raises(ValueError, match="no unit matches"):
+        soak.select_units(["nope"])
+
+
+def test_schedule_rounds_are_permutations():
+    order = soak.schedule(5, 23, seed=3)
+    assert len(order) == 23 and order == soak.schedule(5, 23, seed=3)
+    for r in range(4):
+        assert sorted(order[5 * r : 5 * r + 5]) == list(range(5))
+    assert order[:5] != soak.schedule(5, 23, seed=4)[:5] or order[5:10] != soak.schedule(5, 23, seed=4)[5:10]
+
+
+def test_tally_charges_mismatches_to_units():
+    t = soak.Tally(["a", "b", "c"])
+    t.window(0, [0, 1, 2, 0], [3])
+    t.window(4, [2, 1, 0, 1], [1, 3, 0])
+    assert t.checked == [3, 3, 2] and t.mismatches == [1, 2, 1] and t.first_mismatch == [3, 5, 4]
+
+
+def test_parse_args():
+    a = soak.parse_args([])
+    assert (a.replays, a.sync_every, a.pool, a.hang_timeout, a.units) == (100_000, 1000, 8, 60.0, ["*"])
+    assert soak.parse_args(["--replays", "7", "--units", "A-*", "B-T3"]).units == ["A-*", "B-T3"]
+    for bad in (["--pool", "1"], ["--replays", "0"], ["--hang-timeout", "0"]):
+        with pytest.raises(SystemExit):
+            soak.parse_args(bad)
+
+
+# ------------------------------------------------------------------------------------- soak: waits and watchdog
+class _Event:
+    def __init__(self, done_after: int | None):
+        self.left = done_after
+
+    def query(self) -> bool:
+        if self.left is None:
+            return False
+        self.left -= 1
+        return self.left < 0
+
+
+def test_wait_events_returns_when_done_and_raises_on_a_hang():
+    assert soak.wait_events([_Event(0), _Event(3)], 5.0, sleep=lambda s: None) >= 0
+    clock = iter(float(i) for i in range(100))
+    with pytest.raises(soak.Hang, match="1 stream"):
+        soak.wait_events([_Event(0), _Event(None)], 10.0, clock=lambda: next(clock), sleep=lambda s: None)
+
+
+def test_watchdog_fires_once_without_beats_and_not_while_beating():
+    fired: list[str] = []
+    wd = soak.Watchdog(0.05, fired.append, poll_s=0.01).start()
+    wd.beat("replay 7 enqueued")
+    time.sleep(0.3)
+    wd.stop()
+    assert len(fired) == 1 and "replay 7 enqueued" in fired[0] and wd.fired
+    quiet: list[str] = []
+    wd = soak.Watchdog(0.2, quiet.append, poll_s=0.01).start()
+    for _ in range(20):
+        wd.beat()
+        time.sleep(0.01)
+    wd.stop()
+    assert quiet == [] and not wd._thread.is_alive()
+
+
+# ---------------------------------------------------------------------------- soak: the check loop on a CPU
+def _f(x, ids, w):
+    """A stand-in layer: deterministic, different for every input set."""
+    return (x.float() * w.sum(1, keepdim=True) + ids.sum(1, keepdim=True)).to(torch.bfloat16)
+
+
+class FakeGraph:
+    """Replays _f of the static inputs into the outputs; fault_at = n: its n-th replay writes nothing (a stale
+    replay, left with the NaN poison); wrong_at = n: writes a value off by one ulp."""
+
+    def __init__(self, static, outs, fault_at=None, wrong_at=None):
+        self.static, self.outs, self.fault_at, self.wrong_at = static, outs, fault_at, wrong_at
+        self.n = 0
+        self.seen: list[float] = []
+
+    def replay(self):
+        self.n += 1
+        self.seen.append(float(self.static[0][0][0, 0]))
+        if self.n == self.fault_at:
+            return
+        for args, o in zip(self.static, self.outs, strict=True):
+            o.copy_(_f(*args))
+            if self.n == self.wrong_at:
+                o.view(torch.int16)[0, 0] += 1
+
+
+def _armed(unit: soak.Unit, pool_size=3, seed=0, **faults) -> soak.Armed:
+    spec = replace(soak.LAYERS[unit.layer], hidden=256)
+    pool = soak.make_pool(spec, unit.tokens, pool_size, seed)
+    want = [[_f(*args) for args in sets] for sets in pool]
+    static = [tuple(t.clone() for t in args) for args in pool[0]]
+    outs = [torch.empty(t, spec.hidden, dtype=torch.bfloat16) for t in unit.tokens]
+    return soak.Armed(unit, FakeGraph(static, outs, **faults), static, outs, pool, want, None)
+
+
+UNITS = [soak.Unit("p1", "A", (3,), 0), soak.Unit("p4", "C", (2, 1, 3, 1), 1), soak.Unit("p1b", "A", (1,), 0)]
+
+
+def _soak(armed, replays, sync_every, tmp_path):
+    rep = soak.Report(
+        tmp_path, {"date": "today"}, {}, [a.unit for a in armed], soak.Tally([a.unit.name for a in armed])
+    )
+    fired: list[str] = []
+    wd = soak.Watchdog(30.0, fired.append).start()
+    soak.soak(armed, soak.schedule(len(armed), replays, 0), sync_every, 30.0, rep, wd)
+    wd.stop()
+    assert not fired
+    return rep
+
+
+def test_soak_loop_passes_exact_replays_and_cycles_the_pool(tmp_path):
+    armed = [_armed(u, seed=i) for i, u in enumerate(UNITS)]
+    rep = _soak(armed, 61, 7, tmp_path)
+    assert rep.tally.checked == rep.tally.enqueued and sum(rep.tally.checked) == 61
+    assert rep.tally.mismatches == [0, 0, 0]
+    for a in armed:  # consecutive replays of a unit ran different input sets
+        s = a.graph.seen
+        assert len(s) >= 20 and all(p != q for p, q in itertools.pairwise(s))
+    assert rep.finish() == 0
+    res = json.loads((tmp_path / "soak.json").read_text())
+    p4 = soak.schedule(len(armed), 61, 0).count(1)
+    assert (
+        res["ok"] and res["totals"]["replays"] == 61 and res["totals"]["replays_by_ranks"] == {"P1": 61 - p4, "P4": p4}
+    )
+    assert "PASS" in (tmp_path / "soak.md").read_text()
+
+
+@pytest.mark.parametrize("fault", ["fault_at", "wrong_at"])
+def test_soak_loop_finds_a_planted_fault_at_its_replay(tmp_path, fault):
+    armed = [_armed(u, seed=i) for i, u in enumerate(UNITS)]
+    armed[1] = _armed(UNITS[1], seed=1, **{fault: 9})  # the P = 4 unit's 9th replay
+    order = soak.schedule(len(armed), 50, 0)
+    rep = _soak(armed, 50, 8, tmp_path)
+    nth = [i for i, u in enumerate(order) if u == 1][8]  # global index of unit 1's 9th replay
+    assert rep.tally.mismatches == [0, 1, 0] and rep.tally.first_mismatch == [None, nth, None]
+    assert rep.finish() == soak.EXIT_MISMATCH
+    res = json.loads((tmp_path / "soak.json").read_text())
+    assert not res["ok"] and res["units"][1]["first_mismatch"] == nth
+    assert f"| p4 | C | 4 | 2/1/3/1 | 1 | {rep.tally.checked[1]} | 1 | {nth} |" in (tmp_path / "soak.md").read_text()
+
+
+def test_result_record_fails_on_a_hang_or_a_reference_failure():
+    tally = soak.Tally(["A-T1"])
+    tally.window(0, [0, 0], [])
+    tally.enqueued = [2]
+    units = [soak.UNITS[0]]
+    check = {"unit": "A-T1", "set": 0, "routing": "uniform", "rank": 0, "calc_diff": 1e-6, "ok": True}
+    ok = soak.result_record({}, {}, tally, 1.0, None, [check], [], units, soak.LAYERS)
+    assert ok["ok"] and ok["totals"]["hangs"] == 0 and ok["totals"]["replays_per_s"] == 2.0
+    hung = soak.result_record({}, {}, tally, 1.0, "window 0: 1 stream(s)", [check], [], units, soak.LAYERS)
+    assert not hung["ok"] and hung["totals"]["hangs"] == 1 and "**Hang**" in soak.markdown(hung)
+    bad = soak.result_record(
+        {}, {}, tally, 1.0, None, [{**check, "calc_diff": 0.5, "ok": False}], [], units, soak.LAYERS
+    )
+    assert not bad["ok"] and "FAILED A-T1 set 0 (uniform)" in soak.markdown(bad)
+    err = soak.result_record({}, {}, tally, 1.0, None, [check], ["layer A: CommError"], units, soak.LAYERS)
+    assert not err["ok"] and "layer error: layer A: CommError" in soak.markdown(err)
+
+
+def test_report_is_written_once_even_with_two_writers(tmp_path):
+    rep = soak.Report(tmp_path, {}, {}, [soak.UNITS[0]], soak.Tally(["A-T1"]))
+    codes = []
+    threads = [threading.Thread(target=lambda: codes.append(rep.finish())) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert sorted(codes) == [0, 0, 0, soak.EXIT_MISMATCH]  # no replay ran: the one real verdict fails
+    assert json.loads((tmp_path / "soak.json").read_text())["totals"]["replays"] == 0
+
+
+def test_soak_cli_help_and_list_run_on_a_cpu():
+    for args in (["--help"], ["--list"]):
+        r = subprocess.run([sys.executable, str(TOOLS / "soak.py"), *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    assert all(u.name in r.stdout for u in soak.UNITS) and "empty_ranks" in r.stdout
+    if not torch.cuda.is_available():
+        assert soak.main(["--replays", "5"]) == 2
+
+
+# ------------------------------------------------------------------------------------------- sanitize_case
+def test_sanitize_cases_cover_every_kernel_and_w1_w2_variant():
+    kernels = {k for c in sanitize_case.CASES for k in c.kernels}
+    for k in ("publish", "publish (slot path)", "ready", "dispatch", "finalize (+ combined signal)", "W1", "W2"):
+        assert k in kernels
+    names = [c.name for c in sanitize_case.CASES]
+    assert len(set(names)) == len(names)
+    for v in ("plain", "splitk", "expert-sync", "stream-k"):
+        assert f"ring-{v}" in names
+    rc = sanitize_case.RING_CONFIGS
+    assert rc["plain"].splits == (1, 1) and not rc["plain"].expert_sync and not rc["plain"].stream_k
+    assert rc["splitk"].splits == (2, 2) and not rc["splitk"].expert_sync
+    assert rc["expert-sync"].expert_sync and rc["expert-sync"].splits[0] == 1
+    assert rc["stream-k"].stream_k and rc["stream-k"].splits[0] == 1
+    assert {"comm-p2", "layer-p2"} <= set(names)  # the combined signal across ranks
+
+
+@pytest.mark.parametrize(
+    "kc", [*sanitize_case.RING_CONFIGS.values(), *sanitize_case.ROW_CONFIGS.values()], ids=lambda c: str(c.n_tile)
+)
+def test_sanitize_configs_fit_both_gemms_of_the_case_shape(kc):
+    c = sanitize_case.CFG
+    experts = c.local_experts + c.num_shared_experts
+    assert can_implement(2 * c.intermediate_size, c.hidden_size, experts, kc, splits=kc.splits[0]) is None
+    assert can_implement(c.hidden_size, c.intermediate_size, experts, kc, splits=kc.splits[1]) is None
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", [*(f"ring-{n}" for n in sanitize_case.RING_CONFIGS), *sanitize_case.ROW_CONFIGS])
+def test_sanitize_configs_compile_for_sm90a(name):
+    """Every forced configuration compiles as the case runs it (ring mode through the layer, or prepared rows)."""
+    from gcmoe_gemm_sm90.kernel_grouped import compiled
+
+    ring = name.startswith("ring-")
+    kc = sanitize_case.RING_CONFIGS[name[5:]] if ring else sanitize_case.ROW_CONFIGS[name]
+    kc = replace(kc, ring=True, ring_bm=8) if ring else kc
+    c = sanitize_case.CFG
+    for mode, m, k in (("w1", 2 * c.intermediate_size, c.hidden_size), ("w2", c.hidden_size, c.intermediate_size)):
+        assert "QGMMA" in compiled(mode, m, k, kc, "sm_90a").sass()
+
+
+def test_sanitize_case_list_and_selection():
+    r = subprocess.run(
+        [sys.executable, str(TOOLS / "sanitize_case.py"), "--list"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert [ln.split()[0] for ln in r.stdout.splitlines()] == [c.name for c in sanitize_case.CASES]
+    assert [c.name for c in sanitize_case.select(["ring-*", "comm-p2"])] == [
+        "comm-p2",
+        *(f"ring-{n}" for n in sanitize_case.RING_CONFIGS),
+    ]
+    with pytest.raises(SystemExit):
+        sanitize_case.select(["nothing"])
+
+
+# ------------------------------------------------------------------------------------------ racecheck_filter
+def _tagged_line(path: Path) -> int:
+    """A source line the comment block above which says racecheck-ordered."""
+    lines = path.read_text().splitlines()
+    i = next(n for n, ln in enumerate(lines) if racecheck_filter.TAGS["racecheck"] in ln)
+    while lines[i].lstrip().startswith("#"):
+        i += 1
+    return i + 1
+
+
+SM90_GROUPED = ROOT / "packages/gcmoe-gemm-sm90/src/gcmoe_gemm_sm90/kernel_grouped.py"
+SYMBOL = "kernel_cutlass_kernel_gcmoe_gemm_sm90kernel_groupedGroupedGemmSm90_object_0"
+
+
+def _race(line_a: int, line_b: int) -> list[str]:
+    return [
+        f"========= Error: Race reported between Write access at {SYMBOL}+0x1430 in kernel_grouped.py:{line_a}",
+        f"=========     and Read access at {SYMBOL}+0x1810 in kernel_grouped.py:{line_b} [1015808 hazards]",
+        "=========",
+    ]
+
+
+def _verdict(tmp_path, tool, lines):
+    log = tmp_path / f"{tool}.log"
+    log.write_text("\n".join(["========= COMPUTE-SANITIZER", *lines]) + "\n")
+    return racecheck_filter.main(["--tool", tool, str(log)])
+
+
+def test_racecheck_filter_explains_tagged_lines_only(tmp_path, capsys):
+    n = _tagged_line(SM90_GROUPED)
+    summary = "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)"
+    assert _verdict(tmp_path, "racecheck", [*_race(n, n), summary]) == 0
+    assert "1 distinct race reports, 0 unexplained" in capsys.readouterr().out
+    untagged = next(i for i, ln in enumerate(SM90_GROUPED.read_text().splitlines(), 1) if ln.strip() == "")
+    assert _verdict(tmp_path, "racecheck", [*_race(n, untagged), summary]) == 1
+    assert "UNEXPLAINED" in capsys.readouterr().out
+    assert _verdict(tmp_path, "racecheck", _race(n, n)) == 1  # no summary: racecheck did not finish
+    assert _verdict(tmp_path, "racecheck", [summary.replace("1 hazard", "0 hazards")]) == 0
+
+
+def _uninit(where: str | None) -> list[str]:
+    out = ["========= Uninitialized __global__ memory read of size 16 bytes"]
+    if where:
+        out.append(f"=========     at {SYMBOL}+0x2a90 in {where}")
+    return [*out, "=========     by thread (0,0,0) in block (3,0,0)", "========="]
+
+
+def test_initcheck_filter_is_strict(tmp_path, capsys, monkeypatch):
+    zero = "========= ERROR SUMMARY: 0 errors"
+    one = "========= ERROR SUMMARY: 1 error"
+    assert _verdict(tmp_path, "initcheck", ["case layer: ok, uninitialized words: none", zero]) == 0  # program output
+    assert _verdict(tmp_path, "initcheck", [*_uninit("kernel_grouped.py:724"), one]) == 1  # no initcheck-uninit tag
+    assert _verdict(tmp_path, "initcheck", [*_uninit(None), one]) == 1  # no source line of ours
+    host = "========= Host API uninitialized memory access: cuMemcpyDtoH_v2 reads 64 bytes"
+    assert _verdict(tmp_path, "initcheck", [host, one]) == 1
+    assert _verdict(tmp_path, "initcheck", _uninit("kernel_grouped.py:724")) == 1  # no summary
+    capsys.readouterr()
+    # an explained read: the line's comment block says initcheck-uninit
+    fake = ["x = 1", "# initcheck-uninit: padding rows of the TMA box, never stored", "y = load(box)"]
+    monkeypatch.setattr(racecheck_filter, "source", lambda name, symbol: fake)
+    assert _verdict(tmp_path, "initcheck", [*_uninit("kernel_grouped.py:3"), one]) == 0
+    assert "explained" in capsys.readouterr().out
+    two = "========= ERROR SUMMARY: 2 errors"  # one report printed, two counted: the other cannot be explained
+    assert _verdict(tmp_path, "initcheck", [*_uninit("kernel_grouped.py:3"), two]) == 1
+
+
+# ------------------------------------------------------------------------------------ sanitize.sh and run.sh
+def _stub_sanitizer(bin_dir: Path, initcheck_report: bool) -> None:
+    """A compute-sanitizer stand-in: runs the program, then prints its tool's summary (and one report if asked)."""
+    report = "\n".join(_uninit("kernel_grouped.py:724")) if initcheck_report else ""
+    script = f"""#!/usr/bin/env bash
+tool=memcheck
+while [ $# -gt 0 ]; do case "$1" in --tool) tool=$2; shift 2;; --*) shift 2;; *) break;; esac; done
+"$@"
+echo "========= COMPUTE-SANITIZER"
+if [ "$tool" = racecheck ]; then echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+elif [ "$tool" = initcheck ] && [ -n "{"1" if initcheck_report else ""}" ]; then
+  cat <<'EOF'
+{report}
+========= ERROR SUMMARY: 1 error
+EOF
+else echo "========= ERROR SUMMARY: 0 errors"; fi
+"""
+    path = bin_dir / "compute-sanitizer"
+    path.write_text(script)
+    path.chmod(0o755)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad_initcheck", [False, True])
+def test_sanitize_sh_runs_every_tool_and_fails_on_an_unexplained_report(tmp_path, bad_initcheck):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub_sanitizer(bin_dir, bad_initcheck)
+    tools = ("initcheck",) if bad_initcheck else ("racecheck", "memcheck", "synccheck", "initcheck")
+    env = _env(OUT=str(tmp_path / "out"), SANITIZE_ARGS="--list --cases 'comm-*'")
+    if bad_initcheck:
+        env["SANITIZE_TOOLS"] = "initcheck"
+    env["PATH"] = os.pathsep.join((str(bin_dir), env["PATH"]))
+    r = subprocess.run(["bash", str(TOOLS / "sanitize.sh")], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == (1 if bad_initcheck else 0), r.stdout + r.stderr
+    out = tmp_path / "out" / "sanitize"
+    assert [ln.split()[0] for ln in (out / "cases.txt").read_text().splitlines()] == ["comm-ready", "comm-p2"]
+    assert "plain: exit 0" in r.stdout
+    for tool in tools:
+        assert f"{tool}: exit 0" in r.stdout
+        assert "comm-p2" in (out / f"{tool}.log").read_text()  # the case selection reached the program
+    verdict = (out / "initcheck-verdict.txt").read_text()
+    assert ("1 unexplained" in verdict) == bad_initcheck
+
+
+@pytest.mark.slow
+def test_run_sh_soak_step_reaches_the_soak_script(tmp_path):
+    env = _env(OUT=str(tmp_path), SOAK_ARGS="--list --units C-P4-*")
+    r = subprocess.run(["bash", str(TOOLS / "run.sh"), "soak"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "=== soak ===" in r.stdout and "C-P4-T5.1.8.3" in (tmp_path / "soak.log").read_text()
+    text = (TOOLS / "run.sh").read_text()
+    assert "    benchmark)" in text and "test_bench_layer.py" in text and "--benchmark-json" in text
