@@ -122,6 +122,7 @@ def test_epilogue_flags_are_off_by_default_and_add_code_only_when_set():
         if mode == "w1":
             clamped = compiled(mode, m, k, replace(base, activation="swiglu_clamped"), "sm_90a").sass()
             assert _count(clamped, "FMNMX") > _count(plain, "FMNMX")
+            assert "FMNMX.NAN" in clamped and "FMNMX.NAN" not in plain  # the clamp keeps a NaN (NaN contract)
             assert loads[1] > loads[0]
         else:
             assert loads[1] >= loads[0] + 2  # route_w of its token columns and b2 of its output rows

@@ -4,6 +4,8 @@ inline_ptx(ret, args, ...)     one inline PTX block (every kernel's inline assem
 bits_to_f32 / f32_to_bits      reinterpret 32 bits
 cvt_e4m3x2(hi, lo)             two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits
 cvt_bf16x2(hi, lo)             two fp32 -> two bf16 (RNE) in one 32-bit word, lo in the low half
+fmin_nan / fmax_nan(a, b)      min / max that return NaN when either operand is NaN (PTX min.NaN / max.NaN, sm_80+;
+                               cute.arch.fmin / fmax return the other operand, so a clamp would hide a NaN)
 bulk_copy_g2s(dst, src, n, mbar)  n bytes global -> this CTA's shared memory by the bulk-copy engine (no tensor map),
                                completing n bytes of transaction on the mbarrier at shared address mbar
 st_cluster_f32(addr, rank, v)  store v at shared address addr of CTA `rank` of this cluster (distributed shared memory)
@@ -64,6 +66,20 @@ def cvt_e4m3x2(hi, lo, *, loc=None, ip=None):
 def cvt_bf16x2(hi, lo, *, loc=None, ip=None):
     """Two fp32 -> two bf16 (round to nearest even, as torch's .to(bfloat16)): lo in bits 0-15, hi in 16-31."""
     return _cvt_pair("cvt.rn.bf16x2.f32 $0, $1, $2;", hi, lo, loc, ip)
+
+
+@dsl_user_op
+def fmin_nan(a, b, *, loc=None, ip=None):
+    return Float32(
+        inline_ptx(T.f32(), [Float32(a), Float32(b)], "min.NaN.f32 $0, $1, $2;", "=f,f,f", loc, ip, side_effects=False)
+    )
+
+
+@dsl_user_op
+def fmax_nan(a, b, *, loc=None, ip=None):
+    return Float32(
+        inline_ptx(T.f32(), [Float32(a), Float32(b)], "max.NaN.f32 $0, $1, $2;", "=f,f,f", loc, ip, side_effects=False)
+    )
 
 
 @dsl_user_op

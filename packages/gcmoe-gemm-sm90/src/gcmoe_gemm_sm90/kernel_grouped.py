@@ -104,6 +104,8 @@ from gcmoe_core.kernel_helpers import (
     cvt_e4m3x2,
     f32_to_bits,
     fake_epilogue_args,
+    fmax_nan,
+    fmin_nan,
     fp8_pow2_exponent,
     ld_cluster_u32,
     st_cluster_f32,
@@ -1061,8 +1063,8 @@ class GroupedGemmSm90:
                     up = up + bu[s]
                 if cutlass.const_expr(self.clamped):
                     lim = Float32(self.cfg.swiglu_limit)
-                    gate = cute.arch.fmin(gate, lim)
-                    up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
+                    gate = fmin_nan(gate, lim)  # NaN-keeping: a non-finite token stays NaN (docs/numerics.md)
+                    up = fmax_nan(fmin_nan(up, lim), -lim)
                     sig_a = Float32(1.0) + cute.math.exp(-(Float32(self.cfg.swiglu_alpha) * gate))
                     hs[s][c] = gate / sig_a * (up + Float32(1.0)) * w
                 else:
