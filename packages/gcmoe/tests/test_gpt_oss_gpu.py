@@ -2,7 +2,7 @@
 epilogues, H = I = 2880 padded to 3072 / 2944 at load), on fresh random inputs:
 
 - values: within calc_diff 1e-3 of the quantisation model (the reference backend, padded the same way) on EP slices
-  of gpt-oss-120b / -20b and small shapes, no NaN in y (a [T, 2880] view of the padded output);
+  of gpt-oss-120b / -20b and small shapes, no NaN in y (a contiguous [T, 2880] tensor);
 - eager calls (bucket graphs, the per-stream padded input buffer reused across calls of different T) and replays of
   a caller's capture with new inputs and a NaN-poisoned output, and torch.compile: bit-identical;
 - the default SwiGLU layers keep the default kernels (no epilogue flags in any bucket's config).

@@ -165,7 +165,7 @@ def moe(
 ) -> torch.Tensor:
     """y [T, H] bf16. check_values=None follows GCMOE_CHECK_VALUES (default on): out-of-range ids and non-finite
     weights raise ValueError, at the latest on the next call (kernel backends check on the device). With H padded
-    internally (cfg.padded()), y is the [T, H] view of the layer's [T, H_pad] output (not contiguous)."""
+    internally (cfg.padded()), y is the first H columns of the layer's [T, H_pad] output, copied (contiguous)."""
     if not isinstance(packed, PackedMoE):
         raise ValueError(f"gcmoe: packed: must be a PackedMoE (gcmoe.prepack), got {type(packed).__name__}")
     validate_call(packed.cfg, x, topk_ids, topk_weights, device=packed.device, check_values=False)
@@ -174,7 +174,8 @@ def moe(
     if x.shape[0] == 0 and packed.cfg.ep_size == 1:
         return x.new_empty(0, packed.cfg.hidden_size)  # nothing to do; with P > 1 an idle rank still takes part
     if packed.pad is not None:
-        return _forward(packed.pad(x), topk_ids, topk_weights, packed, check_values)[:, : packed.cfg.hidden_size]
+        y = _forward(packed.pad(x), topk_ids, topk_weights, packed, check_values)
+        return y[:, : packed.cfg.hidden_size].contiguous()  # a plain [T, H] tensor (one small copy), not a view
     return _forward(x, topk_ids, topk_weights, packed, check_values)
 
 
