@@ -37,7 +37,6 @@ under torch.inference_mode) have no version counter: an in-place write to one is
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass
@@ -45,8 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gcmoe_core import config as _config
-from gcmoe_core.config import MASKED_ID, MoEConfig
+from gcmoe_core.config import ACTIVATIONS, MASKED_ID, MoEConfig
 from gcmoe_core.reference import MoEWeights
 
 from .layer import PackedMoE, moe, prepack
@@ -62,7 +60,7 @@ def _fail(arg: str, msg: str):
 def supported_activations() -> dict[str, tuple[str, bool]]:
     """Activation names fused_experts takes -> (MoEConfig.activation, w13 rows interleaved): the engines' names
     whose MoEConfig activation exists, and MoEConfig's own names (gate rows then up rows)."""
-    ours = getattr(_config, "ACTIVATIONS", ("swiglu",))
+    ours = ACTIVATIONS
     names = {name: v for name, v in _ENGINE_ACTIVATIONS.items() if v[0] in ours}
     names.update((a, (a, False)) for a in ours)
     return names
@@ -73,10 +71,6 @@ def _activation(name: str) -> tuple[str, bool]:
     if name not in table:
         _fail("activation", f"{name!r} is not supported; supported: {', '.join(map(repr, table))}")
     return table[name]
-
-
-def _config_activation(cfg: MoEConfig) -> str:
-    return getattr(cfg, "activation", "swiglu")
 
 
 # ------------------------------------------------------------------------------------------------ the pack cache
@@ -141,10 +135,9 @@ def _check_raw(w1, w2) -> None:
 def _pack_raw(w1, w2, top_k: int, max_tokens: int, quant: str, act: str, interleaved: bool, backend) -> PackedMoE:
     """MoEConfig + quantised weights from the engine's raw tensors, prepacked (the cache's miss path)."""
     e, two_i, h = w1.shape
-    fields = {"masked_ids": True}
-    if "activation" in {f.name for f in dataclasses.fields(MoEConfig)}:
-        fields["activation"] = act
-    cfg = MoEConfig(h, two_i // 2, e, top_k, max_tokens_per_rank=max_tokens, quant=quant, **fields)
+    cfg = MoEConfig(
+        h, two_i // 2, e, top_k, max_tokens_per_rank=max_tokens, quant=quant, masked_ids=True, activation=act
+    )
     w13 = w1.detach()
     if interleaved:  # gate rows 0, 2, 4, ..., up rows 1, 3, 5, ... -> gate rows, then up rows
         w13 = torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1)
@@ -206,7 +199,7 @@ def fused_experts(
         if w2 is not None:
             _fail("w2", "must be None when w1 is a PackedMoE handle (the handle holds both projections)")
         packed = w1
-        have = _config_activation(packed.cfg)
+        have = packed.cfg.activation
         if have != act:
             _fail("activation", f"{activation!r} (MoEConfig activation {act!r}) but the handle's layer has {have!r}")
     else:
