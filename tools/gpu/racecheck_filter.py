@@ -38,8 +38,9 @@ ERRORS = re.compile(r"ERROR SUMMARY: (\d+) error")
 @cache
 def source(name: str, symbol: str) -> list[str] | None:
     """The file `name` of our packages; where several share the name, the one whose package + module name the
-    kernel's symbol carries (CuTe DSL symbols embed them, e.g. gcmoe_gemm_sm90kernel_grouped)."""
-    found = list(ROOT.glob(f"packages/*/src/**/{name}"))
+    kernel's symbol carries (CuTe DSL symbols embed them, e.g. gcmoe_gemm_sm90kernel_grouped). A report may name the
+    file by its full path: only its base name is looked up."""
+    found = list(ROOT.glob(f"packages/*/src/**/{Path(name).name}"))
     if len(found) > 1:
         found = [p for p in found if f"{p.parent.name}{p.stem}" in symbol]
     return found[0].read_text().splitlines() if len(found) == 1 else None

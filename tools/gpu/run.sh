@@ -39,7 +39,7 @@ run_step() {
     smoke)    timeout 150 python3 tools/gpu/sm90_smoke.py --timeout 120 ;;
     layersmoke) timeout 300 python3 tools/gpu/layer_smoke.py --timeout 280 2>&1 | tee "$OUT/layer-smoke.log"
               return "${PIPESTATUS[0]}" ;;
-    sm90)     timeout 200 python3 -m pytest packages/gcmoe-gemm-sm90 -m "sm90 or compile" -rs -q -p no:cacheprovider \
+    sm90)     timeout 420 python3 -m pytest packages/gcmoe-gemm-sm90 -m "sm90 or compile" -rs -q -p no:cacheprovider \
                 -p timeout --timeout=120 --timeout-method=thread 2>&1 | tee "$OUT/sm90-tests.log"; return "${PIPESTATUS[0]}" ;;
     comm)     timeout 420 python3 -m pytest packages/gcmoe-comm -m "gpu or compile" -rs -q -p no:cacheprovider \
                 -p timeout --timeout=150 --timeout-method=thread ${COMM_TEST_ARGS:-} 2>&1 | tee "$OUT/comm-tests.log"

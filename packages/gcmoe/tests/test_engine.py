@@ -191,6 +191,21 @@ def test_pack_cache_repacks_what_changed_and_dies_with_the_tensor(monkeypatch):
     assert len(engine._PACKS) == 0, "a pack must not keep its weight tensor alive"
 
 
+def test_what_the_cache_cannot_see_is_warned_once_and_cleared_by_clear_cache(monkeypatch):
+    """A reload through .data (vLLM's weight loader) bypasses the version counter: the stale pack stays until
+    clear_cache() — documented, and warned the first time a raw weight is packed."""
+    monkeypatch.setattr(engine, "_WARNED", False)
+    x, ids, w, w13, w2 = _problem(5, seed=9)
+    with pytest.warns(UserWarning, match=r"clear_cache\(\) after it"):
+        y = gcmoe.fused_experts(x, w13, w2, w, ids)
+    new = torch.randn_like(w13) * H**-0.5
+    w13.data.copy_(new)  # invisible to the cache
+    assert torch.equal(gcmoe.fused_experts(x, w13, w2, w, ids), y)  # the old weights: what the docs warn about
+    engine.clear_cache()
+    y2 = gcmoe.fused_experts(x, w13, w2, w, ids)
+    assert torch.equal(y2, moe_reference(x, ids, w, MoEWeights.from_float(new, w2)))
+
+
 def test_rejections_are_value_errors_naming_the_argument():
     x, ids, w, w13, w2 = _problem(4, seed=8)
     packed = gcmoe.prepack(_cfg(), MoEWeights.from_float(w13, w2))
@@ -207,6 +222,11 @@ def test_rejections_are_value_errors_naming_the_argument():
         call(x, w13, w2[..., :64], w, ids)
     with pytest.raises(ValueError, match="w1: must be a floating 3-D tensor"):
         call(x, w13[0], w2, w, ids)
+    fp8 = torch.float8_e4m3fn  # an engine's FP8 weight without its block scales: codes, not values
+    with pytest.raises(ValueError, match="w1: dtype must be bf16, fp16 or fp32"):
+        call(x, w13.to(fp8), w2, w, ids, quant="bf16")
+    with pytest.raises(ValueError, match="w2: dtype must be bf16, fp16 or fp32"):
+        call(x, w13, w2.to(fp8), w, ids)
     with pytest.raises(ValueError, match="expert_map: dtype must be torch.int32 or torch.int64"):
         call(x, w13, w2, w, ids, expert_map=torch.arange(E).float())
     with pytest.raises(ValueError, match="expert_map: must be a 1-D int tensor"):

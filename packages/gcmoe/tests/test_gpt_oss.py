@@ -141,6 +141,19 @@ def test_padding_is_exact_on_the_bf16_path(case):
     assert calc_diff(y, want) <= 1e-5  # (the layer is the fp32 reference: its own rounding, no padding effect)
 
 
+def test_padding_buffer_made_under_inference_mode_serves_later_calls():
+    """The eager input-padding buffer is made on a layer's first call; a first call under torch.inference_mode (an
+    engine's warm-up) must not leave an inference tensor that a later call outside it cannot write into."""
+    case = CASES[0]
+    cfg, x, ids, w, (w13, w2, b13, b2) = _problem(case, "bf16")
+    assert cfg.padded_hidden != cfg.hidden_size
+    layer = gcmoe.MoELayer(cfg, "cpu").load_weights(w13, w2, w13_bias=b13, w2_bias=b2)
+    with torch.inference_mode():
+        first = layer(x, ids, w)
+    with torch.no_grad():
+        assert torch.equal(layer(x, ids, w), first)
+
+
 @pytest.mark.parametrize("limit", [7.0, 0.25])
 def test_padded_intermediate_channels_are_zero_and_keep_the_fp8_block_scales(limit):
     """Why padding I is exact for any alpha / limit > 0: a padded channel has gate = up = 0 (zero rows and bias), so

@@ -27,17 +27,21 @@ The pack cache (raw weights): the first call with a weight quantises it (MXFP4 f
 it for the backend — O(weight bytes), and on the sm90 backend also kernel compilation, workspace and a graph per
 token bucket, so seconds for a model-sized layer — and keeps the result beside the w1 tensor: a weak-identity-keyed
 dictionary (an entry dies with its w1), each entry checked on every call against (data_ptr, version counter, shape,
-stride, dtype, device) of w1 and w2, w2's identity and the options, so a tensor written in place, replaced, or a
-different tensor never reuses a stale pack (a stale entry is dropped when re-packed). A later call pays the lookup:
-a few µs of host time. The pack is a copy (quantised or bf16): the caller's tensors are not kept alive by it. Make
-the first call eagerly (an engine's warm-up / profile run does), not inside a CUDA-graph capture. A PackedMoE handle
-(gcmoe.prepack) skips the lookup and makes the lifetime explicit: the recommended form. Inference tensors (made
-under torch.inference_mode) have no version counter: an in-place write to one is not seen (clear_cache()).
+stride, dtype, device) of w1 and w2, w2's identity and the options, so a tensor replaced, a different tensor, or an
+in-place write that bumps the version counter never reuses a stale pack (a stale entry is dropped when re-packed).
+Writes that bypass the version counter (param.data.copy_, collectives into the tensor, DLPack / numpy views, custom
+kernels) are NOT seen: after such a reload call clear_cache() — the first raw-weight pack of a process warns once.
+A later call pays the lookup: a few µs of host time. The pack is a copy (quantised or bf16): the caller's tensors
+are not kept alive by it. Make the first call eagerly (an engine's warm-up / profile run does), not inside a
+CUDA-graph capture. A PackedMoE handle (gcmoe.prepack) skips the lookup and makes the lifetime explicit: the
+recommended form. Inference tensors (made under torch.inference_mode) have no version counter: an in-place write to
+one is not seen (clear_cache()).
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -51,6 +55,7 @@ from .layer import PackedMoE, moe, prepack
 
 # engine activation name -> (MoEConfig.activation, w13 rows interleaved gate/up as the engine lays them out)
 _ENGINE_ACTIVATIONS = {"silu": ("swiglu", False), "swigluoai": ("swiglu_clamped", True)}
+_RAW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # MoELayer.load_weights' (validate_weights)
 
 
 def _fail(arg: str, msg: str):
@@ -94,6 +99,7 @@ class _Entry:
 
 _PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # w1 tensor -> [_Entry]; entries die with their w1
 _LOCK = threading.Lock()
+_WARNED = False  # the first raw-weight pack of the process warns what the cache cannot see
 
 
 def clear_cache() -> None:
@@ -114,6 +120,16 @@ def cached_pack(w1: torch.Tensor, w2: torch.Tensor, options: tuple, build) -> Pa
         # any whose w2 has died
         keep = [e for e in entries if e.w2_ref() is not None and not (e.options == options and e.w2_ref() is w2)]
         _PACKS[w1] = keep
+    global _WARNED
+    if not _WARNED:
+        _WARNED = True
+        warnings.warn(
+            "gcmoe.fused_experts: raw weights are packed once and cached by tensor identity and version counter; "
+            "a reload that bypasses the version counter (param.data.copy_, a collective or DLPack write into the "
+            "tensor) is not seen: call gcmoe.engine.clear_cache() after it, or pass a PackedMoE handle "
+            "(docs/integration.md)",
+            stacklevel=3,
+        )
     packed = build()
     with _LOCK:
         _PACKS.setdefault(w1, []).append(_Entry(options, sig1, sig2, weakref.ref(w2), packed))
@@ -124,6 +140,8 @@ def _check_raw(w1, w2) -> None:
     for arg, w in (("w1", w1), ("w2", w2)):
         if not isinstance(w, torch.Tensor) or w.dim() != 3 or not w.is_floating_point():
             _fail(arg, f"must be a floating 3-D tensor (or w1 a PackedMoE handle), got {_describe(w)}")
+        if w.dtype not in _RAW_DTYPES:  # an FP8 engine weight is codes without its block scales (not taken here)
+            _fail(arg, f"dtype must be bf16, fp16 or fp32 (unquantised weights), got {w.dtype}")
     e, two_i, h = w1.shape
     if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
         want = f"[E, H, I] = ({e}, {h}, {two_i // 2})"

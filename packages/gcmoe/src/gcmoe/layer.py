@@ -76,8 +76,10 @@ class InputPadding:
             return torch.nn.functional.pad(x, (0, self.padded - self.hidden))
         key = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
         buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = torch.zeros(self.max_tokens, self.padded, dtype=x.dtype, device=x.device)
+        if buf is None:  # a normal tensor even when made under inference_mode (later calls may run outside it)
+            with torch.inference_mode(False):
+                buf = torch.zeros(self.max_tokens, self.padded, dtype=x.dtype, device=x.device)
+            self._buffers[key] = buf
         t = x.shape[0]
         buf[:t, : self.hidden].copy_(x)
         return buf[:t]
