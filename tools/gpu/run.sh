@@ -7,7 +7,7 @@
 #   device call 2 (carry .gpu-wheels/b):  source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh info tests greenctx bench
 #   later calls on the warm machine:      source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh <steps>
 #
-# steps: info | tests | greenctx | layersmoke | layer | bench | tune | smoke | sanitize | sm90 | sm90bench | comm | multiproc |
+# steps: info | tests | greenctx | layersmoke | bench | smoke | sanitize | sm90 | sm90bench | comm | multiproc |
 # commbench | soak | benchmark | all
 # (default: all). Each step's log and results land in $OUT. BENCH_ARGS / TUNE_ARGS / LAYER_TEST_ARGS pass through.
 # soak: tools/gpu/soak.py (100,000 checked graph replays, ~3 min; SOAK_ARGS, e.g. "--replays 20000") -> $OUT/soak/;

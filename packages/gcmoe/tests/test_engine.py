@@ -145,10 +145,6 @@ def test_handle_with_expert_map_under_torch_compile():
 
 def test_interleaved_swigluoai_matches_the_clamped_layer():
     x, ids, w, w13, w2 = _problem(7, seed=6)
-    if "swigluoai" not in engine.supported_activations():
-        with pytest.raises(ValueError, match="'swigluoai' is not supported; supported: 'silu'"):
-            gcmoe.fused_experts(x, w13, w2, w, ids, activation="swigluoai")
-        pytest.skip("MoEConfig has no clamped SwiGLU activation in this tree")
     # vLLM's gpt-oss layout: rows gate 0, up 0, gate 1, up 1, ...
     w13_vllm = torch.stack((w13[:, :INTER], w13[:, INTER:]), dim=2).reshape(E, 2 * INTER, H)
     y = gcmoe.fused_experts(x, w13_vllm, w2, w, ids, activation="swigluoai")
@@ -157,6 +153,34 @@ def test_interleaved_swigluoai_matches_the_clamped_layer():
     assert calc_diff(y, gcmoe.fused_experts(x, w13, w2, w, ids)) > 1e-3  # (the activation is not silu's)
     with pytest.raises(ValueError, match="activation: 'silu' .* but the handle's layer has 'swiglu_clamped'"):
         gcmoe.fused_experts(x, layer.packed, None, w, ids)
+
+
+def test_biases_as_vllm_passes_them_interleaved_with_the_cache_watching_them(monkeypatch):
+    """w1_bias / w2_bias (vLLM's gpt-oss keywords, rows interleaved like w1's): the same as the clamped, biased layer
+    loaded in gate-then-up order; a bias written in place is re-packed; biases with a handle are refused."""
+    packs = CountingPrepack()
+    monkeypatch.setattr(engine, "prepack", packs)
+    x, ids, w, w13, w2 = _problem(6, seed=10)
+    g = torch.Generator().manual_seed(11)
+    b13, b2 = torch.randn(E, 2 * INTER, generator=g), torch.randn(E, H, generator=g) * 0.1
+    inter = lambda t: torch.stack((t[:, :INTER], t[:, INTER:]), dim=2).reshape(t.shape[0], 2 * INTER, *t.shape[2:])
+    y = gcmoe.fused_experts(x, inter(w13), w2, w, ids, activation="swigluoai", w1_bias=inter(b13), w2_bias=b2)
+    cfg = _cfg().replace(activation="swiglu_clamped", has_bias=True)
+    layer = gcmoe.MoELayer(cfg).load_weights(w13, w2, w13_bias=b13, w2_bias=b2)
+    assert torch.equal(y, layer(x, ids, w))
+    w13_i, b13_i = inter(w13), inter(b13)
+    y1 = gcmoe.fused_experts(x, w13_i, w2, w, ids, activation="swigluoai", w1_bias=b13_i, w2_bias=b2)
+    calls = packs.calls
+    with torch.no_grad():
+        b2.mul_(3.0)  # a bias reload (visible to the version counter)
+    y2 = gcmoe.fused_experts(x, w13_i, w2, w, ids, activation="swigluoai", w1_bias=b13_i, w2_bias=b2)
+    assert packs.calls == calls + 1 and torch.equal(y1, y) and not torch.equal(y2, y1)
+    with pytest.raises(ValueError, match="w1_bias and w2_bias go together"):
+        gcmoe.fused_experts(x, w13, w2, w, ids, w1_bias=b13)
+    with pytest.raises(ValueError, match=r"w2_bias: must be a floating tensor of shape \(8, 256\)"):
+        gcmoe.fused_experts(x, w13, w2, w, ids, w1_bias=b13, w2_bias=b2[:, :8])
+    with pytest.raises(ValueError, match="w1_bias: must be None with a PackedMoE handle"):
+        gcmoe.fused_experts(x, layer.packed, None, w, ids, activation="swigluoai", w1_bias=b13, w2_bias=b2)
 
 
 class CountingPrepack:

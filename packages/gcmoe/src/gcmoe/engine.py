@@ -108,9 +108,11 @@ def clear_cache() -> None:
         _PACKS.clear()
 
 
-def cached_pack(w1: torch.Tensor, w2: torch.Tensor, options: tuple, build) -> PackedMoE:
-    """The cached pack of (w1, w2) for `options`, or build() it (and drop the entry it replaces)."""
-    sig1, sig2 = _signature(w1), _signature(w2)
+def cached_pack(w1: torch.Tensor, w2: torch.Tensor, options: tuple, build, biases: tuple = ()) -> PackedMoE:
+    """The cached pack of (w1, w2, biases) for `options`, or build() it (and drop the entry it replaces). The biases'
+    identities and signatures are checked with w2's."""
+    sig1 = _signature(w1)
+    sig2 = (_signature(w2), *((id(b), _signature(b)) if b is not None else None for b in biases))
     with _LOCK:
         entries = _PACKS.get(w1, [])
         for entry in entries:
@@ -150,20 +152,41 @@ def _check_raw(w1, w2) -> None:
         _fail("w2", f"is on {w2.device} but w1 is on {w1.device}")
 
 
-def _pack_raw(w1, w2, top_k: int, max_tokens: int, quant: str, act: str, interleaved: bool, backend) -> PackedMoE:
-    """MoEConfig + quantised weights from the engine's raw tensors, prepacked (the cache's miss path)."""
+def _pack_raw(
+    w1, w2, top_k: int, max_tokens: int, quant: str, act: str, interleaved: bool, backend, w1_bias=None, w2_bias=None
+) -> PackedMoE:
+    """MoEConfig + quantised weights (+ fp32 biases) from the engine's raw tensors, prepacked (the cache's miss
+    path)."""
     e, two_i, h = w1.shape
+    has_bias = w1_bias is not None
     cfg = MoEConfig(
-        h, two_i // 2, e, top_k, max_tokens_per_rank=max_tokens, quant=quant, masked_ids=True, activation=act
-    )
-    w13 = w1.detach()
-    if interleaved:  # gate rows 0, 2, 4, ..., up rows 1, 3, 5, ... -> gate rows, then up rows
+        h, two_i // 2, e, top_k, max_tokens_per_rank=max_tokens, quant=quant, masked_ids=True, activation=act,
+        has_bias=has_bias,
+    )  # fmt: skip
+    w13, b13 = w1.detach(), None if w1_bias is None else w1_bias.detach()
+    if interleaved:  # gate rows 0, 2, 4, ..., up rows 1, 3, 5, ... -> gate rows, then up rows (biases alike)
         w13 = torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1)
+        b13 = None if b13 is None else torch.cat((b13[:, 0::2], b13[:, 1::2]), dim=1)
     w2d = w2.detach()
     if quant == "bf16":  # a bf16 pack must not alias the caller's tensors (the cache holds it weakly by w1)
         w13, w2d = w13.to(torch.bfloat16, copy=True), w2d.to(torch.bfloat16, copy=True)
-    weights = MoEWeights.from_float(w13.contiguous(), w2d.contiguous(), quant=quant)
+    b2 = None if w2_bias is None else w2_bias.detach().to(torch.float32, copy=True)
+    b13 = None if b13 is None else b13.to(torch.float32, copy=True)
+    weights = MoEWeights.from_float(w13.contiguous(), w2d.contiguous(), quant=quant, w13_bias=b13, w2_bias=b2)
     return prepack(cfg, weights, w1.device, backend)
+
+
+def _check_biases(w1, w2, w1_bias, w2_bias) -> None:
+    if (w1_bias is None) != (w2_bias is None):
+        _fail("w1_bias" if w1_bias is None else "w2_bias", "w1_bias and w2_bias go together (both or neither)")
+    if w1_bias is None:
+        return
+    e, two_i, h = w1.shape
+    for arg, b, shape in (("w1_bias", w1_bias, (e, two_i)), ("w2_bias", w2_bias, (e, h))):
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != shape or not b.is_floating_point():
+            _fail(arg, f"must be a floating tensor of shape {shape}, got {_describe(b)}")
+        if b.device != w1.device:
+            _fail(arg, f"is on {b.device} but w1 is on {w1.device}")
 
 
 # ------------------------------------------------------------------------------------------------ the entry
@@ -195,13 +218,17 @@ def fused_experts(
     apply_router_weight_on_input: bool = False,
     global_num_experts: int = -1,
     expert_map: torch.Tensor | None = None,
+    w1_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
     max_tokens_per_rank: int = 256,
     quant: str = "fp8_mxfp4",
     backend: str | None = None,
 ) -> torch.Tensor:
     """y = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden_states[t]) over this rank's experts, bf16 [T, H]
     (the module docstring says what each argument is). inplace: written into hidden_states, which is returned.
-    max_tokens_per_rank / quant / backend configure the pack of raw weights (ignored with a handle)."""
+    w1_bias [E, 2I] / w2_bias [E, H] (vLLM's names; gpt-oss): per-expert biases of raw weights, laid out like w1's
+    rows (interleaved for "swigluoai"); a handle carries its own. max_tokens_per_rank / quant / backend configure the
+    pack of raw weights (ignored with a handle)."""
     if apply_router_weight_on_input:
         _fail(
             "apply_router_weight_on_input",
@@ -216,14 +243,18 @@ def fused_experts(
     if isinstance(w1, PackedMoE):
         if w2 is not None:
             _fail("w2", "must be None when w1 is a PackedMoE handle (the handle holds both projections)")
+        if w1_bias is not None or w2_bias is not None:
+            _fail("w1_bias", "must be None with a PackedMoE handle (the handle's layer holds its biases)")
         packed = w1
         have = packed.cfg.activation
         if have != act:
             _fail("activation", f"{activation!r} (MoEConfig activation {act!r}) but the handle's layer has {have!r}")
     else:
         _check_raw(w1, w2)
+        _check_biases(w1, w2, w1_bias, w2_bias)
         options = (topk_ids.shape[1], max_tokens_per_rank, quant, act, interleaved, backend)
-        packed = cached_pack(w1, w2, options, lambda: _pack_raw(w1, w2, *options))
+        build = lambda: _pack_raw(w1, w2, *options, w1_bias, w2_bias)
+        packed = cached_pack(w1, w2, options, build, (w1_bias, w2_bias))
     cfg = packed.cfg
     if hidden_states.device != packed.device:
         _fail("hidden_states", f"is on {hidden_states.device} but the experts are on {packed.device}")
