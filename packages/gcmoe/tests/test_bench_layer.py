@@ -30,7 +30,7 @@ import torch
 import gcmoe
 from gcmoe import bench
 from gcmoe_core.config import MODEL_SHAPES, MoEConfig
-from gcmoe_core.reference import MoEWeights, moe_reference
+from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import calc_diff, first_mismatch, make_tokens, make_weights
 from gcmoe_core.timing import ColdL2, capture_graph, copy_bandwidth, fp4_floor_us, time_once
 
@@ -138,13 +138,7 @@ def model(request):
     why = Sm90Backend().missing(dev, cfg)
     if why is not None:
         pytest.skip(f"{request.param}: the sm90 backend needs {why}")
-    weights = make_weights(cfg, seed=0, device=dev)
-    if cfg.has_bias:  # gpt-oss: make_weights draws no biases, and a has_bias layer refuses weights without them
-        g = torch.Generator(device=dev).manual_seed(1)
-        e, h, i = cfg.local_experts, cfg.hidden_size, cfg.intermediate_size
-        b13 = torch.randn(e, 2 * i, generator=g, device=dev)
-        b2 = torch.randn(e, h, generator=g, device=dev)
-        weights = MoEWeights(weights.w13, weights.w2, None, None, b13, b2)
+    weights = make_weights(cfg, seed=0, device=dev)  # (with fp32 biases where cfg.has_bias: gpt-oss)
     m = bench.Model(request.param, cfg, weights, dev, "sm90", max_tokens, EP)
     m.capture_stream = torch.cuda.Stream(dev)
     # gpt-oss (H padded, clamped SwiGLU + biases): moe_reference takes neither an unpadded H of 2880 nor (by default)

@@ -124,7 +124,8 @@ def make_problem(case: Case, device="cpu", weights_quant: str | None = None):
 
 def make_weights(cfg: MoEConfig, seed: int = 0, device="cpu", quant: str | None = None) -> MoEWeights:
     """Random layer weights of full model size, fast, on `device`: MXFP4 drawn directly in the format
-    (formats.random_mxfp4), bf16 from a normal distribution; element RMS 1/sqrt(fan_in) like make_problem."""
+    (formats.random_mxfp4), bf16 from a normal distribution; element RMS 1/sqrt(fan_in) like make_problem; fp32
+    biases where cfg.has_bias."""
     quant = quant or cfg.quant
     g = torch.Generator(device=device).manual_seed(seed)
     h, i = cfg.hidden_size, cfg.intermediate_size
@@ -136,7 +137,11 @@ def make_weights(cfg: MoEConfig, seed: int = 0, device="cpu", quant: str | None 
             return random_mxfp4((n, rows, k), g, device, rms=k**-0.5)
         return (torch.randn(n, rows, k, generator=g, device=device) * k**-0.5).to(torch.bfloat16)
 
-    s = cfg.num_shared_experts
-    return MoEWeights(
-        stack(cfg.local_experts, 2 * i, h), stack(cfg.local_experts, h, i), stack(s, 2 * i, h), stack(s, h, i)
-    )
+    s, el = cfg.num_shared_experts, cfg.local_experts
+    bias = {}
+    if cfg.has_bias:  # (gpt-oss) fp32 biases of the size a layer's pre-activations and outputs have
+        bias = {
+            "w13_bias": torch.randn(el, 2 * i, generator=g, device=device) * 0.5,
+            "w2_bias": torch.randn(el, h, generator=g, device=device) * 0.1,
+        }
+    return MoEWeights(stack(el, 2 * i, h), stack(el, h, i), stack(s, 2 * i, h), stack(s, h, i), **bias)

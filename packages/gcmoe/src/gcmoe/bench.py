@@ -136,9 +136,16 @@ class TorchFp8Variant:
     name: str = "torch_fp8"
 
     def load(self, m: Model) -> Loaded:
+        if not _plain_swiglu(m.cfg):
+            raise VariantAbsent("computes plain SwiGLU without biases, not this layer's experts")
         base = TorchFp8MoE(m.cfg, m.weights, m.device)
         info = {"quantisation": "FP8 E4M3 rowwise (x per token, h per row, weights per channel)"}
         return Loaded(base, False, LAYER_WORK, base.backend, info)
+
+
+def _plain_swiglu(cfg: MoEConfig) -> bool:
+    """The layer's experts are SwiGLU without biases (what the torch FP8 baseline and DeepGEMM compute)."""
+    return cfg.activation == "swiglu" and not cfg.has_bias
 
 
 @dataclass(frozen=True)
@@ -146,11 +153,14 @@ class PeerVariant:
     name: str
     missing: Callable[[torch.device], str | None]
     make: Callable[[Model], object]
+    plain_swiglu_only: bool = False
 
     def load(self, m: Model) -> Loaded:
         why = self.missing(m.device)
         if why is not None:
             raise VariantAbsent(f"needs {why}")
+        if self.plain_swiglu_only and not _plain_swiglu(m.cfg):
+            raise VariantAbsent("computes plain SwiGLU without biases, not this layer's experts")
         peer = self.make(m)
         return Loaded(peer, True, peer.work, peer.name, peer.describe(), peer.close)
 
@@ -170,6 +180,7 @@ VARIANTS = {
             "deepgemm",
             peers.deepgemm_missing,
             lambda m: peers.DeepGemmMegaMoE(m.cfg, m.weights, m.device, m.max_tokens),
+            plain_swiglu_only=True,
         ),
     )
 }
@@ -384,7 +395,7 @@ def _run_model(model, tokens, variants, ep, max_tokens, iters, backend, dev, see
     bar.set_postfix_str(f"{model}: weights")
     cfg = _model_config(model, ep, max_tokens)
     weights = make_weights(cfg, seed=seed, device=dev)
-    routed_weights = MoEWeights(weights.w13, weights.w2)
+    routed_weights = MoEWeights(weights.w13, weights.w2, w13_bias=weights.w13_bias, w2_bias=weights.w2_bias)
     m = Model(model, cfg, weights, dev, backend, max_tokens, None if model.startswith(CUSTOM) else ep)
     if gpu:
         m.capture_stream = torch.cuda.Stream(dev)
@@ -435,7 +446,13 @@ def _run_point(m: Model, routed_weights, t, variants, loaded, load_error, iters,
 
     def ref(work: str) -> torch.Tensor:
         if work not in refs:
-            refs[work] = moe_reference(x, ids, w, m.weights if work == LAYER_WORK else routed_weights, capturable=False)
+            weights = m.weights if work == LAYER_WORK else routed_weights
+            if _plain_swiglu(cfg) and cfg.padded() == cfg:
+                refs[work] = moe_reference(x, ids, w, weights, capturable=False)
+            else:  # padded H / I, clamped SwiGLU, biases: the reference backend's layer handles them
+                shared = cfg.num_shared_experts if work == LAYER_WORK else 0
+                layer = MoELayer(cfg.replace(num_shared_experts=shared), dev, "reference").load(weights)
+                refs[work] = layer(x, ids, w)
         return refs[work]
 
     point = {

@@ -19,7 +19,8 @@ triton_kernels  OpenAI's triton_kernels (triton-lang/triton python/triton_kernel
     they are (same E2M1 codes, low nibble first, UE8M0 per 32 along K), W13's gate/up rows interleaved, in the
     Hopper swizzled layouts (HopperMXValueLayout / HopperMXScaleLayout). Its fused SwiGLU is gpt-oss's
     s = g * sigmoid(alpha g), y = s * (u + 1) with clamps at `limit`: alpha = 1, a W1 bias of -1 on the up columns
-    and a limit far above any value make it silu(g) * u, the layer's activation.
+    and a limit far above any value make it silu(g) * u, the layer's activation; a gpt-oss layer (clamped SwiGLU,
+    biases) runs it as it is, with the layer's alpha, limit and biases (the W2 bias added before gammas apply).
 
 deepgemm  DeepGEMM's SM90 FP8 x MXFP4 "Mega MoE" (deepseek-ai/DeepGEMM refs/pull/323/head): one persistent kernel
     doing dispatch -> W1 -> SwiGLU -> FP8 requant -> W2 -> combine through a symmetric buffer, at world size 1.
@@ -150,13 +151,20 @@ class TritonKernelsMoE:
 
         self.w1, w1s = mx(interleave(w13.packed.to(self.device)), interleave(w13.scale.to(self.device)))
         self.w2, w2s = mx(w2.packed, w2.scale)
+        clamped = cfg.activation == "swiglu_clamped"  # gpt-oss: its own SwiGLU, as it is
+        b13 = weights.w13_bias
         self.bias1 = torch.zeros(e, 2 * i, dtype=torch.float32, device=self.device)
-        self.bias1[:, 1::2] = -1.0  # (u - 1) + 1 = u in its SwiGLU
+        if b13 is not None:
+            self.bias1 += interleave(b13.to(self.device, torch.float32).unsqueeze(-1)).squeeze(-1)
+        if not clamped:
+            self.bias1[:, 1::2] -= 1.0  # (u - 1) + 1 = u in its SwiGLU
+        self.bias2 = None if weights.w2_bias is None else weights.w2_bias.to(self.device, torch.float32).contiguous()
         flex = tk.FlexCtx(rhs_data=tk.InFlexData())
         self.pc1 = tk.PrecisionConfig(flex_ctx=flex, weight_scale=w1s, out_dtype=torch.bfloat16)
         self.pc2 = tk.PrecisionConfig(flex_ctx=flex, weight_scale=w2s, out_dtype=torch.bfloat16)
         spec = tk.FnSpecs("swiglu", tk.swiglu_fn, ("alpha", "limit"), reduction_n=2)
-        self.act = tk.FusedActivation(spec, (1.0, _TK_SWIGLU_LIMIT))
+        alpha_limit = (cfg.swiglu_alpha, cfg.swiglu_limit) if clamped else (1.0, _TK_SWIGLU_LIMIT)
+        self.act = tk.FusedActivation(spec, alpha_limit)
 
     def describe(self) -> dict:
         return {
@@ -194,10 +202,12 @@ class TritonKernelsMoE:
         h = tk.matmul_ogs(
             x, self.w1, self.bias1, rd, gather_indx=gi, precision_config=self.pc1, fused_activation=self.act
         )
-        return tk.matmul_ogs(h, self.w2, None, rd, scatter_indx=si, precision_config=self.pc2, gammas=rd.gate_scal)
+        return tk.matmul_ogs(
+            h, self.w2, self.bias2, rd, scatter_indx=si, precision_config=self.pc2, gammas=rd.gate_scal
+        )
 
     def close(self) -> None:
-        self.w1 = self.w2 = self.bias1 = None
+        self.w1 = self.w2 = self.bias1 = self.bias2 = None
 
 
 def triton_kernels_moe(cfg: MoEConfig, weights: MoEWeights, device, **kw) -> TritonKernelsMoE | None:
@@ -312,6 +322,8 @@ class DeepGemmMegaMoE:
     work = WORK
 
     def __init__(self, cfg: MoEConfig, weights: MoEWeights, device, max_tokens: int):
+        if cfg.activation != "swiglu" or cfg.has_bias:
+            raise ValueError("DeepGEMM's Mega MoE computes plain SwiGLU without biases: not this layer's experts")
         dg = self.dg = _import_deepgemm()
         self.device = torch.device(device)
         w13, w2 = _mxfp4(weights)
