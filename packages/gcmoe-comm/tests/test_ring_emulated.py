@@ -1,5 +1,6 @@
 """The ring layout and the torch model of dispatch / scatter / combine over P virtual ranks (CPU), bit-exact against
-gcmoe_core's multi-rank reference: uniform, skewed (everything to one expert / one rank) and empty-rank routing."""
+gcmoe_core's multi-rank reference: uniform, skewed (everything to one expert / one rank), empty-rank routing, and a
+rank with no tokens at all (T = 0: an idle rank still takes part in the step)."""
 
 import pytest
 import torch
@@ -17,12 +18,12 @@ def _ranks(p: int, routing: str, seed: int):
     g = torch.Generator().manual_seed(seed)
     xs, ids, ws = [], [], []
     for r in range(p):
-        t = 3 + 2 * r
+        t = 0 if routing == "idle_rank" and r == p - 1 else 3 + 2 * r  # idle_rank: the last rank has no tokens
         xs.append(torch.randn(t, H, generator=g).to(torch.bfloat16))
         if routing == "one_rank":  # every token of every rank goes to rank 0's experts: other ranks receive nothing
             i, w = make_routing(t, K, E // p, "uniform", g)
         else:
-            i, w = make_routing(t, K, E, routing, g)
+            i, w = make_routing(t, K, E, "uniform" if routing == "idle_rank" else routing, g)
         ids.append(i), ws.append(w)
     return xs, ids, ws
 
@@ -38,7 +39,7 @@ def _weights(seed: int):
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])
-@pytest.mark.parametrize("routing", ["uniform", "one_expert", "half_empty", "one_rank"])
+@pytest.mark.parametrize("routing", ["uniform", "one_expert", "half_empty", "one_rank", "idle_rank"])
 def test_dispatch_and_combine_bit_exact(p, routing):
     """The shared expert rides the ring (ring expert E/P, fed from the rank's own tokens, slot k)."""
     xs, ids, ws = _ranks(p, routing, seed=p * 10 + len(routing))

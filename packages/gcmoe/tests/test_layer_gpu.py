@@ -249,6 +249,14 @@ def test_virtual_ranks_bit_exact_replays_and_dead_peer(p):
         for r in range(p):
             assert first_mismatch(ys[r], ref(*inputs[r])) == "", f"{routing}: rank {r}"
             assert calc_diff(ys[r], moe_reference(*inputs[r], weights)) < 1e-3
+    # an idle rank (T = 0: no tokens this step) still takes part; every other rank stays exact
+    inputs = _rank_inputs(cfg1, p, "uniform", 60)
+    inputs[-1] = tuple(a[:0] for a in inputs[-1])
+    ys = step(inputs)
+    torch.cuda.synchronize()
+    assert ys[-1].shape == (0, cfg1.hidden_size)
+    for r in range(p - 1):
+        assert first_mismatch(ys[r], ref(*inputs[r])) == "", f"idle last rank: rank {r}"
     for plan in ranks:
         plan.check()
     # one captured step (every rank on its stream), 1,000 replays with the routing swapped in each time
