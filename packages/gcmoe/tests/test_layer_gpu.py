@@ -375,6 +375,26 @@ def test_first_call_inside_a_callers_capture_on_a_fresh_stream(cfg):
 
 
 @pytest.mark.sm90
+def test_a_layer_loaded_and_first_called_under_inference_mode_serves_calls_outside_it():
+    """An engine warms up under torch.inference_mode: the lanes made there must not be inference tensors, or the next
+    call / recover() outside it fails on their in-place writes."""
+    weights = make_weights(CFG, 23, "cuda")
+    with torch.inference_mode():
+        layer = gcmoe.MoELayer(CFG, "cuda", "sm90").load(weights)
+        x, ids, w = _tokens(CFG, 5, "uniform", 23)
+        y0 = layer(x, ids, w)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):  # a second lane, made inside inference mode too
+            y1 = layer(x, ids, w)
+        torch.cuda.synchronize()
+    x, ids, w = _tokens(CFG, 5, "uniform", 23)
+    assert first_mismatch(layer(x, ids, w), y0) == "" and first_mismatch(y1, y0) == ""
+    layer.check()
+    layer.recover()  # zeroes the lanes' signals in place
+    assert first_mismatch(layer(x, ids, w), y0) == ""
+
+
+@pytest.mark.sm90
 def test_model_shaped_layers_match_the_reference():
     for model, t in (("deepseek-v3", 1), ("deepseek-v4-flash", 8), ("glm-4.5", 32), ("deepseek-v3", 128)):
         cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=256)

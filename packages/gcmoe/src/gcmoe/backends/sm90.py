@@ -205,7 +205,9 @@ class Lane:
         cfg, spec, dev = plan.cfg, plan.spec, plan.device
         self.nslots = NSLOTS
         self.probe = None  # tests: (comm, compute) int32 tensors the %smid probe fills beside the roles
-        with _outside_capture(dev):
+        # normal tensors even when the lane is made under torch.inference_mode (an engine's warm-up): its buffers are
+        # written in place by later calls and by recover(), which may run outside it
+        with _outside_capture(dev), torch.inference_mode(False):
             if workspace is not None:
                 self.ws = workspace
             elif cfg.ep_size > 1 or plan.group is not None:
