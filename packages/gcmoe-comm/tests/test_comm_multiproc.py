@@ -32,3 +32,23 @@ def test_a_rank_starting_later_than_the_bound_is_not_dead(tmp_path):
     for r in results:
         assert r["ok"], f"rank {r['rank']}: {r.get('traceback')}"
         assert r["bound_ms"] == 200 and "dead peer reported, recovery exact" in r["checks"]
+
+
+def test_rank_record_writes_the_outcome_and_never_raises(tmp_path):
+    """The per-rank record both harnesses (gcmoe_comm.multiproc, gcmoe.multiproc) write: ok, or the error and its
+    traceback, and the wall time; an exception in the body is recorded, not raised."""
+    import json
+
+    from gcmoe_comm.multiproc import rank_record
+
+    with rank_record(str(tmp_path), {"rank": 0}) as res:
+        res["checks"] = ["a"]
+    with rank_record(str(tmp_path), {"rank": 1}):
+        raise AssertionError("replay 3: output")
+    ok, bad = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert ok["ok"] and ok["checks"] == ["a"] and ok["wall_s"] >= 0
+    assert (
+        not bad["ok"]
+        and bad["error"] == "AssertionError: replay 3: output"
+        and "raise AssertionError" in bad["traceback"]
+    )

@@ -19,6 +19,7 @@ stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0, NVSHMEM_DISAB
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -28,6 +29,67 @@ from pathlib import Path
 
 H, E, K, S, TMAX, BM = 1024, 16, 4, 1, 32, 8
 NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+COLLECTIVE_TIMEOUT_S = 90.0  # a rank that fails leaves its peers in a collective: this ends it instead of a hang
+
+
+# ------------------------------------------------------------- one process per GPU (also gcmoe.multiproc's harness)
+def init_rank(rank: int, p: int, store: str):
+    """This process's GPU and its membership of the P-rank NCCL group (file rendezvous at `store`), multicast off."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(NO_MULTICAST)
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{store}", rank=rank, world_size=p, device_id=dev, timeout=timeout
+    )
+    return dev
+
+
+@contextlib.contextmanager
+def rank_record(out_dir: str, res: dict):
+    """The body's outcome in res (ok, or error + traceback: recorded for the parent, which reports every rank), its
+    wall time, written to out_dir/rank<r>.json; the process group torn down. Never raises."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    try:
+        yield res
+        res["ok"] = True
+    except Exception as e:
+        res["ok"] = False
+        res["error"] = f"{type(e).__name__}: {e}"
+        res["traceback"] = traceback.format_exc()
+    finally:
+        res["wall_s"] = time.perf_counter() - t0
+        Path(out_dir, f"rank{res['rank']}.json").write_text(json.dumps(res, indent=2))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_ranks(worker, p: int, out: str, *args) -> list[dict]:
+    """worker(rank, p, store, out, *args) in P fresh processes; their rank records (a rank that died without one:
+    {"ok": False, "error": "no record"})."""
+    import torch.multiprocessing as mp
+
+    os.environ.update(NO_MULTICAST)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    for f in Path(out).glob("rank*.json"):
+        f.unlink()
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            mp.spawn(worker, args=(p, f"{d}/store", out, *args), nprocs=p, join=True)
+        except Exception as e:  # a rank that died: reported below through its missing or failed record
+            print(f"spawn: {type(e).__name__}: {e}")
+    recs = []
+    for r in range(p):
+        f = Path(out, f"rank{r}.json")
+        recs.append(json.loads(f.read_text()) if f.exists() else {"rank": r, "ok": False, "error": "no record"})
+    return recs
 
 
 def _worker(
@@ -44,14 +106,11 @@ def _worker(
     from .virtual import scatter_stand_in
     from .workspace import CommError, Workspace
 
-    os.environ.update(NO_MULTICAST)
     if rank == delay[0]:
         time.sleep(delay[1])  # a rank that is still starting (loading, compiling) when its peers are ready
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=p, device_id=dev)
+    dev = init_rank(rank, p, store)
     res: dict = {"rank": rank, "ranks": p, "device": torch.cuda.get_device_name(dev), "checks": []}
-    try:
+    with rank_record(out_dir, res):
         spec = RingSpec(p, E // p, H, K, TMAX, BM)
         ws = Workspace.symmetric(spec)
         comm = CommRank(ws, dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=bound_ms)
@@ -120,14 +179,6 @@ def _worker(
             check_ring(ws.views, rank, spec, xs, ids, wts, 1)
             assert torch.equal(out, expected_outputs(xs, ids, wts, sh)[rank]), "after recovery: output"
             res["checks"].append("dead peer reported, recovery exact")
-        res["ok"] = True
-    except Exception as e:  # recorded for the parent, which reports every rank
-        res["ok"] = False
-        res["error"] = f"{type(e).__name__}: {e}"
-        res["traceback"] = traceback.format_exc()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res, indent=2))
-        dist.destroy_process_group()
 
 
 def run(
@@ -140,17 +191,10 @@ def run(
 ) -> list[dict]:
     """Spawn the ranks and return their result records. bound_ms: the wait bound (default GCMOE_COMM_TIMEOUT_MS);
     delay_rank / delay_s: that rank starts delay_s seconds late."""
-    import torch.multiprocessing as mp
-
     from gcmoe_core import env
 
     bound = float(env.get_int("GCMOE_COMM_TIMEOUT_MS")) if bound_ms is None else float(bound_ms)
-    os.environ.update(NO_MULTICAST)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as d:
-        args = (ranks, f"{d}/store", out, replays, bound, (delay_rank, delay_s))
-        mp.spawn(_worker, args=args, nprocs=ranks, join=True)
-    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(ranks)]
+    return spawn_ranks(_worker, ranks, out, replays, bound, (delay_rank, delay_s))
 
 
 def main(argv=None) -> int:

@@ -39,14 +39,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
-import traceback
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
-NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+from gcmoe_comm.multiproc import init_rank, rank_record, spawn_ranks
+
 ROUTINGS = ("uniform", "skewed", "one_rank", "idle_rank")
 CHECK_SHAPE = {"hidden_size": 1024, "intermediate_size": 512, "top_k": 4, "num_shared_experts": 1}
 
@@ -57,34 +57,19 @@ def rank_tokens(cfg, p: int, routing: str, seed: int, device) -> list[tuple]:
     every process (drawn on the CPU from seed), each rank takes its own. T_r = 3 + 5 r (idle_rank: T_{P-1} = 0)."""
     import torch
 
+    from gcmoe_core.testing import make_routing
+
     g = torch.Generator().manual_seed(seed)
-    e, k, el = cfg.num_experts, cfg.top_k, cfg.num_experts // p
+    e, el = cfg.num_experts, cfg.num_experts // p
+    pool = {"one_rank": el, "idle_rank": e - el}.get(routing, e)  # ids drawn among experts [0, pool)
+    kind = "one_expert" if routing == "skewed" else "uniform"
     out = []
     for r in range(p):
         t = 0 if routing == "idle_rank" and r == p - 1 else 3 + 5 * r
         x = torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16)
-        pool = {"one_rank": el, "idle_rank": e - el}.get(routing, e)
-        scores = torch.rand(t, pool, generator=g)
-        if routing == "skewed":
-            scores[:, 0] = 2.0
-        ids = torch.topk(scores, k, dim=1).indices.to(torch.int32)
-        w = torch.softmax(torch.randn(t, k, generator=g), dim=1).float()
+        ids, w = make_routing(t, cfg.top_k, pool, kind, g)
         out.append((x.to(device), ids.to(device), w.to(device)))
     return out
-
-
-def _init(rank: int, p: int, store: str):
-    import torch
-    import torch.distributed as dist
-
-    os.environ.update(NO_MULTICAST)
-    torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    # a rank that fails leaves its peers in a collective: the timeout ends it (and the run) instead of a hang
-    dist.init_process_group(
-        "nccl", init_method=f"file://{store}", rank=rank, world_size=p, device_id=dev, timeout=timedelta(seconds=90)
-    )
-    return dev
 
 
 def _slice(weights, q: int, el: int):
@@ -98,10 +83,10 @@ def _slice(weights, q: int, el: int):
 def _check_worker(rank: int, p: int, store: str, out_dir: str, replays: int, bound_ms: float, delay_s: float) -> None:
     res: dict = {"rank": rank, "ranks": p, "checks": []}
     t_start = time.perf_counter()
-    try:
+    with rank_record(out_dir, res):
         if rank == p - 1 and delay_s:
             time.sleep(delay_s)  # a rank still starting (loading, compiling) while its peers are ready
-        dev = _init(rank, p, store)
+        dev = init_rank(rank, p, store)
         import torch
         import torch.distributed as dist
 
@@ -175,41 +160,6 @@ def _check_worker(rank: int, p: int, store: str, out_dir: str, replays: int, bou
             layer.check()
             assert first_mismatch(y, ref(x, ids, w)) == "", "after recover"
             res["checks"].append("dead peer reported, recovery exact")
-        res["ok"] = True
-    except Exception as e:  # recorded for the parent, which reports every rank
-        res["ok"] = False
-        res["error"] = f"{type(e).__name__}: {e}"
-        res["traceback"] = traceback.format_exc()
-    finally:
-        res["wall_s"] = time.perf_counter() - t_start
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res, indent=2))
-        _destroy()
-
-
-def _destroy() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _spawn(worker, p: int, out: str, *args) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    os.environ.update(NO_MULTICAST)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    for f in Path(out).glob("rank*.json"):
-        f.unlink()
-    with tempfile.TemporaryDirectory() as d:
-        try:
-            mp.spawn(worker, args=(p, f"{d}/store", out, *args), nprocs=p, join=True)
-        except Exception as e:  # a rank that died without its record: reported below as missing
-            print(f"spawn: {type(e).__name__}: {e}")
-    recs = []
-    for r in range(p):
-        f = Path(out, f"rank{r}.json")
-        recs.append(json.loads(f.read_text()) if f.exists() else {"rank": r, "ok": False, "error": "no record"})
-    return recs
 
 
 def run_checks(p: int, runs: int, replays: int, out: str, bound_ms: float, delay_s: float, cold: bool) -> dict:
@@ -222,7 +172,7 @@ def run_checks(p: int, runs: int, replays: int, out: str, bound_ms: float, delay
             os.environ["GCMOE_CACHE_DIR"] = tmp  # every kernel compiled in this run (children inherit)
         t0 = time.perf_counter()
         delay = delay_s if i % 2 else 0.0
-        recs = _spawn(_check_worker, p, f"{out}/run{i}", replays, bound_ms, delay)
+        recs = spawn_ranks(_check_worker, p, f"{out}/run{i}", replays, bound_ms, delay)
         if tmp:
             if old is None:
                 os.environ.pop("GCMOE_CACHE_DIR")
@@ -283,7 +233,7 @@ class AllToAllBaseline:
         from gcmoe_core.reference import MoEWeights
 
         p, t_max, k = cfg.ep_size, cfg.max_tokens_per_rank, cfg.top_k
-        self.p, self.k, self.el, self.group = p, k, cfg.local_experts, group
+        self.p, self.el, self.group = p, cfg.local_experts, group
         self.cap = t_max * k
         inner = MoEConfig(cfg.hidden_size, cfg.intermediate_size, self.el, 1, 0, max_tokens_per_rank=p * self.cap)
         self.experts = gcmoe.MoELayer(inner, device, "sm90").load(MoEWeights(weights.w13, weights.w2))
@@ -325,8 +275,8 @@ class AllToAllBaseline:
 
 def _bench_worker(rank, p, store, out_dir, models, tokens, iters) -> None:
     res: dict = {"rank": rank, "ranks": p, "points": []}
-    try:
-        dev = _init(rank, p, store)
+    with rank_record(out_dir, res):
+        dev = init_rank(rank, p, store)
         import torch
         import torch.distributed as dist
 
@@ -374,20 +324,12 @@ def _bench_worker(rank, p, store, out_dir, models, tokens, iters) -> None:
                     print(f"{model} T={t}: " + ", ".join(f"{n} {u:.1f}" for n, u in point["us"].items()), flush=True)
             layers.clear()
             torch.cuda.empty_cache()
-        res["ok"] = True
-    except Exception as e:
-        res["ok"] = False
-        res["error"] = f"{type(e).__name__}: {e}"
-        res["traceback"] = traceback.format_exc()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res, indent=2))
-        _destroy()
 
 
 def _dispatch_worker(rank, p, store, out_dir, sms_list, tokens, iters) -> None:
     res: dict = {"rank": rank, "ranks": p, "points": []}
-    try:
-        dev = _init(rank, p, store)
+    with rank_record(out_dir, res):
+        dev = init_rank(rank, p, store)
         import torch
         import torch.distributed as dist
 
@@ -439,14 +381,6 @@ def _dispatch_worker(rank, p, store, out_dir, sms_list, tokens, iters) -> None:
                 if rank == 0:
                     print(f"sms={sms} T={t}: " + ", ".join(f"{n} {u:.1f}" for n, u in us.items()), flush=True)
                 ws.check()  # every replay's waits succeeded (else the times above are of kernels that gave up)
-        res["ok"] = True
-    except Exception as e:
-        res["ok"] = False
-        res["error"] = f"{type(e).__name__}: {e}"
-        res["traceback"] = traceback.format_exc()
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res, indent=2))
-        _destroy()
 
 
 def merge_ranks(recs: list[dict]) -> list[dict]:
@@ -481,7 +415,9 @@ def main(argv=None) -> int:
     if a.ranks < 1:
         raise SystemExit("--ranks: needs at least one GPU")
     bound = float(env.get_int("GCMOE_COMM_TIMEOUT_MS")) if a.bound_ms is None else a.bound_ms
-    meta = run_meta(ranks=a.ranks, command="python -m gcmoe.multiproc " + " ".join(argv or os.sys.argv[1:]))
+    meta = run_meta(
+        ranks=a.ranks, command="python -m gcmoe.multiproc " + " ".join(sys.argv[1:] if argv is None else argv)
+    )
     if a.what == "check":
         rec = {**meta, **run_checks(a.ranks, a.runs, a.replays, a.out, bound, a.delay_s, a.cold_cache)}
         ok = rec["passed"] == a.runs
@@ -489,7 +425,7 @@ def main(argv=None) -> int:
     else:
         worker = _bench_worker if a.what == "bench" else _dispatch_worker
         extra = (a.models, a.tokens, a.iters) if a.what == "bench" else (a.sms, a.tokens, a.iters)
-        recs = _spawn(worker, a.ranks, f"{a.out}/{a.what}", *extra)
+        recs = spawn_ranks(worker, a.ranks, f"{a.out}/{a.what}", *extra)
         ok = all(r["ok"] for r in recs)
         rec = {**meta, "ok": ok, "errors": [r.get("error") for r in recs if not r["ok"]]}
         if ok:
