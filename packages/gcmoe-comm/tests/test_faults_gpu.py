@@ -63,12 +63,18 @@ def _step(vr, inputs, inject=None):
     return outs
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.kind)
-def test_fault_is_reported_within_the_bound_and_recovery_is_exact(case):
-    p = 2
+def _virtual_ranks(p: int):
+    """P virtual ranks of the fault tests' ring, their kernels loaded, every wait bounded by BOUND_MS."""
     spec = RingSpec(p, E // p, H, K, TMAX, BM)
     vr = VirtualRanks(spec, "cuda", dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=BOUND_MS)
     vr.load()
+    return vr
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.kind)
+def test_fault_is_reported_within_the_bound_and_recovery_is_exact(case):
+    p = 2
+    vr = _virtual_ranks(p)
     inputs = make_inputs(p, "uniform", 5, H, E, K, TMAX, S)
     want = expected_outputs(*inputs)
     outs = _step(vr, inputs)  # call 1 (generation 1) is exact
@@ -92,7 +98,7 @@ def test_fault_is_reported_within_the_bound_and_recovery_is_exact(case):
     outs = _step(vr, inputs)
     vr.check()
     for q, w in enumerate(vr.ws):
-        check_ring(w.views, q, spec, *inputs[:3], gen=1)
+        check_ring(w.views, q, vr.spec, *inputs[:3], gen=1)
     for r, (y, w) in enumerate(zip(outs, want)):
         assert torch.equal(y, w), f"{case.kind}: rank {r} after recover()"
 
@@ -100,9 +106,7 @@ def test_fault_is_reported_within_the_bound_and_recovery_is_exact(case):
 @pytest.mark.parametrize("kind", ["forged_ready", "double_publish", "finalize_stall"])
 def test_faults_on_four_ranks(kind):
     p = 4
-    spec = RingSpec(p, E // p, H, K, TMAX, BM)
-    vr = VirtualRanks(spec, "cuda", dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=BOUND_MS)
-    vr.load()
+    vr = _virtual_ranks(p)
     inputs = make_inputs(p, "uniform", 6, H, E, K, TMAX, S)
     _step(vr, inputs)
     vr.check()
