@@ -109,6 +109,7 @@ def test_good_call_passes_and_value_checks_can_be_skipped():
     x, ids, w = _good(CFG)
     validate_call(CFG, x, ids, w)
     validate_call(CFG, x, _with(ids, (0, 0), -5), w, check_values=False)  # capture path: metadata checks only
+    validate_call(CFG, x[:0], ids[:0], w[:0])  # T = 0 (an idle rank's call): valid, values included
 
 
 def test_wrong_device_is_named():

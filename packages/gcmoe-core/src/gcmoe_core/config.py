@@ -269,7 +269,9 @@ def check_call_values(
     num_experts: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor, masked_ids: bool = False
 ) -> None:
     """The checks that read device memory — one host sync: ids in [0, E) (or -1 with masked_ids, whose weights are
-    not checked), finite routing weights."""
+    not checked), finite routing weights. No tokens (T = 0): nothing to check."""
+    if topk_ids.numel() == 0:
+        return
     ids = topk_ids.long()
     bad_w = ~torch.isfinite(topk_weights)
     if masked_ids:
