@@ -19,7 +19,7 @@ faulthandler.dump_traceback_later(args.timeout, exit=True)
 
 import gcmoe  # noqa: E402
 from gcmoe_core.config import MoEConfig  # noqa: E402
-from gcmoe_core.reference import MoEWeights, moe_reference  # noqa: E402
+from gcmoe_core.reference import moe_reference  # noqa: E402
 from gcmoe_core.testing import calc_diff, first_mismatch, make_tokens, make_weights  # noqa: E402
 
 CFG = MoEConfig(512, 256, 16, 4, 1, max_tokens_per_rank=32)
@@ -86,22 +86,13 @@ def captured():
 
 def virtual2():
     from gcmoe.backends import LayerOptions
-    from gcmoe.backends.sm90 import Sm90Backend, virtual_ranks
+    from gcmoe.backends.sm90 import virtual_ranks
     from gcmoe_gemm_sm90.config import Sm90Config
 
     kcfg = Sm90Config(n_tile=8, stages=3, prefetch=2)
     cfg2 = CFG.replace(ep_size=2)
-    el = cfg2.local_experts
-    tensors = [
-        Sm90Backend().prepack(
-            cfg2,
-            MoEWeights(weights.w13[q * el : (q + 1) * el], weights.w2[q * el : (q + 1) * el], *weights.all()[2:]),
-            torch.device("cuda"),
-        )
-        for q in range(2)
-    ]
     ranks = virtual_ranks(
-        cfg2, tensors, torch.device("cuda"), LayerOptions(comm_sms=16, kernel_config=kcfg, timeout_ms=2000)
+        cfg2, weights, torch.device("cuda"), LayerOptions(comm_sms=16, kernel_config=kcfg, timeout_ms=2000)
     )
     ref = gcmoe.MoELayer(CFG, "cuda", "sm90", kernel_config=kcfg, comm_sms=16).load(weights)
     inputs = [make_tokens(CFG, 5 + r, "uniform", 9 + r, device="cuda") for r in range(2)]

@@ -198,14 +198,15 @@ def ring_case(kc: Sm90Config) -> Callable[[], str]:
 
 
 def layer_p2() -> str:
-    from soak import step, virtual_plans
+    from soak import step
 
     from gcmoe.backends import LayerOptions
+    from gcmoe.backends.sm90 import virtual_ranks
 
     p = 2
     cfg = CFG.replace(ep_size=p)
     weights = _weights(seed=3)
-    plans = virtual_plans(cfg, weights, torch.device("cuda"), LayerOptions(comm_sms=0, timeout_ms=TIMEOUT_MS))
+    plans = virtual_ranks(cfg, weights, torch.device("cuda"), LayerOptions(comm_sms=0, timeout_ms=TIMEOUT_MS))
     streams = [torch.cuda.Stream() for _ in range(p)]
     diffs = []
     for i, routing in enumerate(("uniform", "one_expert")):

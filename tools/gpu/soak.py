@@ -449,21 +449,6 @@ class Armed:
             torch.any(torch.ne(o.view(torch.int16), w.view(torch.int16)), out=flags_row[r])
 
 
-def virtual_plans(cfg: MoEConfig, weights, device: torch.device, options) -> list:
-    """cfg.ep_size = P virtual ranks of the sm90 layer on one GPU (gcmoe.backends.sm90.virtual_ranks): rank q's plan
-    holds the routed experts q * E/P .. (q + 1) * E/P - 1 of `weights` (every expert) and the shared experts."""
-    from gcmoe.backends.sm90 import Sm90Backend, virtual_ranks
-    from gcmoe_core.reference import MoEWeights
-
-    el = cfg.local_experts
-    tensors = []
-    for q in range(cfg.ep_size):
-        e = slice(q * el, (q + 1) * el)
-        mine = MoEWeights(weights.w13[e], weights.w2[e], weights.shared_w13, weights.shared_w2)
-        tensors.append(Sm90Backend().prepack(cfg, mine, device))
-    return virtual_ranks(cfg, tensors, device, options)
-
-
 def step(plans: Sequence, streams: Sequence[torch.cuda.Stream], inputs: Sequence[tuple]) -> list[torch.Tensor]:
     """One call of every virtual rank, each on its own stream forked from and joined back to the current one (also
     inside a capture: the ranks become parallel branches of the graph)."""
@@ -494,7 +479,9 @@ class LoadedLayer:
         if spec.ranks == 1:
             self.layer = gcmoe.MoELayer(cfg, device, "sm90", comm_sms=spec.comm_sms).load(self.weights)
         else:
-            self.plans = virtual_plans(cfg, self.weights, device, LayerOptions(comm_sms=spec.comm_sms))
+            from gcmoe.backends.sm90 import virtual_ranks
+
+            self.plans = virtual_ranks(cfg, self.weights, device, LayerOptions(comm_sms=spec.comm_sms))
             self.rank_streams = [torch.cuda.Stream(device) for _ in range(spec.ranks)]
 
     def forward(self, inputs: list[tuple]) -> list[torch.Tensor]:

@@ -88,3 +88,19 @@ def test_multirank_reference_consistent_with_single_rank(p, routing):
             assert first_mismatch(d.x_payload[n : n + 1], qx) == "" and torch.equal(d.x_scale[n : n + 1], sx)
     total = sum(int(i.numel()) for i in idss)
     assert sum(d.src.shape[0] for d in dispatch) == total  # every (token, slot) delivered exactly once
+
+
+def test_rank_slice_holds_the_ranks_experts_and_biases():
+    e, i, h = 8, 128, 256
+    g = torch.Generator().manual_seed(3)
+    w = MoEWeights.from_float(
+        torch.randn(e, 2 * i, h, generator=g), torch.randn(e, h, i, generator=g),
+        w13_bias=torch.randn(e, 2 * i, generator=g), w2_bias=torch.randn(e, h, generator=g),
+    )  # fmt: skip
+    q = w.rank_slice(2, 4)
+    assert (
+        q.num_experts == 2 and torch.equal(q.w13.packed, w.w13.packed[4:6]) and torch.equal(q.w2.scale, w.w2.scale[4:6])
+    )
+    assert torch.equal(q.w13_bias, w.w13_bias[4:6]) and torch.equal(q.w2_bias, w.w2_bias[4:6])
+    with pytest.raises(ValueError, match="rank 4 of 4"):
+        w.rank_slice(4, 4)

@@ -19,7 +19,7 @@ import torch
 
 import gcmoe
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.reference import MoEWeights, moe_reference
+from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import Case, calc_diff, first_mismatch, make_problem, make_tokens, make_weights
 
 pytestmark = pytest.mark.gpu
@@ -196,18 +196,6 @@ def test_bad_ids_are_dropped_on_the_device_and_raised_on_the_next_call(monkeypat
 
 
 # ------------------------------------------------------------------------------------------------ P virtual ranks
-def _rank_tensors(cfg_p: MoEConfig, weights: MoEWeights):
-    from gcmoe.backends.sm90 import Sm90Backend
-
-    el = cfg_p.local_experts
-    out = []
-    for q in range(cfg_p.ep_size):
-        sl = slice(q * el, (q + 1) * el)
-        wq = MoEWeights(weights.w13[sl], weights.w2[sl], weights.shared_w13, weights.shared_w2)
-        out.append(Sm90Backend().prepack(cfg_p, wq, torch.device("cuda")))
-    return out
-
-
 def _rank_inputs(cfg, p, routing, seed):
     g = torch.Generator().manual_seed(seed)
     return [make_tokens(cfg, 3 + 5 * r + seed % 4, routing, generator=g, device="cuda") for r in range(p)]
@@ -227,7 +215,7 @@ def test_virtual_ranks_bit_exact_replays_and_dead_peer(p):
     weights = make_weights(cfg1, seed=30 + p, device="cuda")
     ref = gcmoe.MoELayer(cfg1, "cuda", "sm90", kernel_config=kcfg, comm_sms=16).load(weights)
     opts = LayerOptions(comm_sms=16, kernel_config=kcfg, timeout_ms=200)
-    ranks = virtual_ranks(cfg_p, _rank_tensors(cfg_p, weights), torch.device("cuda"), opts)
+    ranks = virtual_ranks(cfg_p, weights, torch.device("cuda"), opts)
     streams = [torch.cuda.Stream() for _ in range(p)]
 
     def step(inputs, outs=None):

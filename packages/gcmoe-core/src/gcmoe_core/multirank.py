@@ -123,10 +123,7 @@ def multirank_reference(
     ]
     el = e // p
     for q in range(p):
-        mine = slice(q * el, (q + 1) * el)
-        bias = weights_global.biases()
-        bias = (None, None) if bias is None else (bias[0][mine], bias[1][mine])
-        local = MoEWeights(weights_global.w13[mine], weights_global.w2[mine], None, None, *bias)
+        local = weights_global.rank_slice(q, p)  # (its shared experts: added per source rank below)
         for r in range(p):
             rows, written = routed_slot_rows(x_in[r], topk_ids[r], topk_weights[r], local, expert_base=q * el, act=act)
             slot_rows[r] = torch.where(written.unsqueeze(-1), rows, slot_rows[r])

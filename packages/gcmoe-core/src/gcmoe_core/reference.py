@@ -78,6 +78,16 @@ class MoEWeights:
         """Expert e's (b13 [2I], b2 [H]), or None."""
         return None if self.w13_bias is None else (self.w13_bias[e], self.w2_bias[e])
 
+    def rank_slice(self, rank: int, ranks: int) -> MoEWeights:
+        """The experts EP rank `rank` of `ranks` holds: routed experts [rank E/P, (rank + 1) E/P) with their biases,
+        and every shared expert (replicated on every rank)."""
+        e = self.num_experts
+        if e % ranks or not 0 <= rank < ranks:
+            raise ValueError(f"MoEWeights.rank_slice: rank {rank} of {ranks} over E = {e} experts")
+        mine = slice(rank * (e // ranks), (rank + 1) * (e // ranks))
+        bias = (None, None) if self.w13_bias is None else (self.w13_bias[mine], self.w2_bias[mine])
+        return MoEWeights(self.w13[mine], self.w2[mine], self.shared_w13, self.shared_w2, *bias)
+
     def _with(self, conv, bias_conv=lambda b: b) -> MoEWeights:
         """conv applied to every weight and bias_conv to every bias (None stays None)."""
         ws = (None if w is None else conv(w) for w in self.all())

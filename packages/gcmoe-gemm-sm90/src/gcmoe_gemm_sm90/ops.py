@@ -336,7 +336,8 @@ class MoESm90:
         cfg = self.cfg or choose_config(tokens, top_k, self.num_routed, self.hidden, self.inter, sms, self.num_shared)
         if min(self.hidden, self.inter) // WINDOW_K % cfg.prefetch:
             cfg = replace(cfg, prefetch=1)
-        return replace(cfg, **self.epilogue) if self.epilogue else cfg
+        flags = self.epilogue
+        return replace(cfg, **flags) if flags else cfg
 
 
 def emulate_w1(

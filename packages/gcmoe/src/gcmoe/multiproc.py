@@ -72,13 +72,6 @@ def rank_tokens(cfg, p: int, routing: str, seed: int, device) -> list[tuple]:
     return out
 
 
-def _slice(weights, q: int, el: int):
-    from gcmoe_core.reference import MoEWeights
-
-    sl = slice(q * el, (q + 1) * el)
-    return MoEWeights(weights.w13[sl], weights.w2[sl], weights.shared_w13, weights.shared_w2)
-
-
 # ------------------------------------------------------------------------------------------------------------ check
 def _check_worker(rank: int, p: int, store: str, out_dir: str, replays: int, bound_ms: float, delay_s: float) -> None:
     res: dict = {"rank": rank, "ranks": p, "checks": []}
@@ -103,7 +96,7 @@ def _check_worker(rank: int, p: int, store: str, out_dir: str, replays: int, bou
         weights = make_weights(cfg1, seed=7, device=dev)  # the same on every rank (seeded device generator)
         layer = gcmoe.MoELayer(
             cfg_p, dev, "sm90", group=dist.group.WORLD, kernel_config=kcfg, timeout_ms=bound_ms
-        ).load(_slice(weights, rank, cfg_p.local_experts))  # collective: kernels loaded, then the rendezvous
+        ).load(weights.rank_slice(rank, p))  # collective: kernels loaded, then the rendezvous
         ref = gcmoe.MoELayer(cfg1, dev, "sm90", kernel_config=kcfg).load(weights)
         res["ready_s"] = time.perf_counter() - t_start
         res["bound_ms"] = bound_ms

@@ -449,15 +449,17 @@ class Lane:
         self.status.zero_()
 
 
-def virtual_ranks(cfg: MoEConfig, tensors_per_rank, device: torch.device, options: LayerOptions) -> list[Sm90Plan]:
-    """cfg.ep_size = P ranks in this process on one GPU (tests, benchmarks): rank q's plan holds its prepacked
-    experts tensors_per_rank[q] and its buffer of one Workspace.virtual set, so dispatch pulls and the W2 scatter
-    cross rank boundaries through the peer table exactly as across GPUs. Call each rank on its own stream (the ranks'
-    kernels wait for each other)."""
+def virtual_ranks(cfg: MoEConfig, weights: MoEWeights, device: torch.device, options: LayerOptions) -> list[Sm90Plan]:
+    """cfg.ep_size = P ranks in this process on one GPU (tests, benchmarks): rank q's plan holds its experts of
+    `weights` (every expert: MoEWeights.rank_slice, prepacked) and its buffer of one Workspace.virtual set, so
+    dispatch pulls and the W2 scatter cross rank boundaries through the peer table exactly as across GPUs. Call each
+    rank on its own stream (the ranks' kernels wait for each other)."""
     from gcmoe_comm.workspace import Workspace
 
+    p = cfg.ep_size
+    tensors = [Sm90Backend().prepack(cfg, weights.rank_slice(q, p).to(device), device) for q in range(p)]
     wss = Workspace.virtual(ring_spec(cfg), device)
-    return [Sm90Plan(cfg, tensors, device, options, workspace=ws) for tensors, ws in zip(tensors_per_rank, wss)]
+    return [Sm90Plan(cfg, t, device, options, workspace=ws) for t, ws in zip(tensors, wss)]
 
 
 def _ring_config(kcfg):
