@@ -43,6 +43,33 @@ def test_views_cover_their_buffers_exactly():
     assert int(v.signals.abs().sum()) == 0
 
 
+def test_dropped_workspaces_are_freed_without_the_cyclic_gc():
+    """A workspace holds no reference to itself or its siblings (only their buffers): dropping it frees it at once, not
+    whenever the cyclic GC runs (possibly inside a CUDA-graph capture); virtual siblings' buffers stay alive while any
+    sibling that addresses them does, and each sibling still sees the others' (peer_views, recover)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        wss = Workspace.virtual(SPEC, "cpu")
+        refs = [weakref.ref(ws) for ws in wss]
+        buf1 = weakref.ref(wss[1].buf)
+        wss[1].views.signals.fill_(3)
+        assert wss[0].peer_views(1).signals.data_ptr() == wss[1].views.signals.data_ptr()
+        keep = wss[0]
+        del wss
+        assert refs[1]() is None and refs[0]() is keep
+        assert buf1() is not None, "a sibling's buffer must live while a workspace addressing it does"
+        assert int(keep.peer_views(1).signals.sum()) == 3 * keep.views.signals.numel()
+        keep.recover()  # resets every sibling's signals, the dropped one's buffer included
+        assert int(keep.peer_views(1).signals.abs().sum()) == 0
+        del keep
+        assert refs[0]() is None and buf1() is None
+    finally:
+        gc.enable()
+
+
 ERROR_CASES = [  # (rank whose ERR words are set, the words: code, kind, who, generation, seen; the message)
     (0, [1, 1, 1, 7, 6], r"rank 0: timed out waiting on rank 1's ready tag.*generation 7, saw 6"),
     (1, [1, 2, 1, 3, 1], r"rank 1's receive counter: wanted 2 arrivals for generation 3, saw 1"),

@@ -9,7 +9,8 @@
 - P ranks (virtual, one GPU): bit-exact against the same kernels at world size 1 holding every expert, eagerly and
   over 1,000 replays of one captured step with the routing swapped each time; a dead peer -> CommError within the
   bound, exact again after recover();
-- placement: inside a caller's capture the layer's roles run on their green-context partitions (%smid probe).
+- placement: inside a caller's capture the layer's roles run on their green-context partitions (%smid probe);
+- teardown: a dropped layer frees its lanes at once; one torn down by the GC inside a capture leaves it valid.
 """
 
 import time
@@ -345,11 +346,21 @@ def test_roles_keep_their_partitions_inside_a_callers_capture():
 
 
 @pytest.mark.sm90
-@pytest.mark.parametrize("cfg", [CFG, MoEConfig.ep_slice("deepseek-v4-flash", 8, max_tokens_per_rank=256)])
+# UNSEEN: a shape no other test of this process compiles, so its first captured call loads its W1 / W2 modules then
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        CFG,
+        MoEConfig.ep_slice("deepseek-v4-flash", 8, max_tokens_per_rank=256),
+        MoEConfig(1536, 512, 8, 2, num_shared_experts=1, max_tokens_per_rank=16),  # UNSEEN
+    ],
+)
 def test_first_call_inside_a_callers_capture_on_a_fresh_stream(cfg):
     """A layer whose very first call is captured (torch.cuda.graph's default global capture mode) on a stream it never
     ran on: its lane is made under the capture (found 2026-11-30 by gcmoe.multiproc bench: the lane's kernel loads
-    synchronised a stream during a capture and invalidated it) and the replay equals an eager call."""
+    synchronised a stream during a capture and invalidated it) and the bucket's GEMMs are loaded outside it (a first
+    launch inside the capture loaded the module there and invalidated it: found the same day, a masked layer), and
+    the replay equals an eager call."""
     weights = make_weights(cfg, 21, "cuda")
     layer = gcmoe.MoELayer(cfg, "cuda", "sm90").load(weights)
     x, ids, w = _tokens(cfg, 8, "uniform", 21)
@@ -360,6 +371,63 @@ def test_first_call_inside_a_callers_capture_on_a_fresh_stream(cfg):
     g.replay()
     torch.cuda.synchronize()
     assert first_mismatch(y, layer(x, ids, w)) == ""
+
+
+@pytest.mark.sm90
+def test_a_dropped_layer_frees_its_lanes_at_once():
+    """No reference cycle holds a layer's plan or lanes: dropping the layer frees its graphs, streams and workspaces
+    at once, not when the cyclic GC runs (which can be inside someone else's capture)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        layer, _ = _layer(comm_sms=16)
+        x, ids, w = _tokens(CFG, 6, "uniform", 31)
+        layer(x, ids, w)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            layer(x, ids, w)  # a second lane
+        torch.cuda.synchronize()
+        plan = layer.packed.plan
+        refs = [weakref.ref(plan), *(weakref.ref(lane) for lane in plan._lanes.values())]
+        refs += [weakref.ref(lane.ws) for lane in plan._lanes.values()]
+        assert len(refs) == 5
+        del layer, plan
+        assert [r() is None for r in refs] == [True] * 5
+    finally:
+        gc.enable()
+
+
+@pytest.mark.sm90
+def test_a_layer_torn_down_during_a_capture_does_not_invalidate_it():
+    """A layer held in a reference cycle is freed by the cyclic GC, which may run inside a capture (forced here): its
+    lanes' resources are parked until the next call outside a capture instead of being destroyed in it (found
+    2026-11-30: captures failed with cudaErrorStreamCaptureInvalidated after earlier layers became garbage)."""
+    import gc
+
+    from gcmoe.backends import sm90
+
+    gc.collect()
+    old, _ = _layer(comm_sms=16, seed=32)
+    x, ids, w = _tokens(CFG, 6, "uniform", 32)
+    old(x, ids, w)  # a lane with its bucket graph
+    torch.cuda.synchronize()
+    cycle = [old]
+    cycle.append(cycle)
+    del old, cycle
+    layer, _ = _layer(seed=33)
+    x, ids, w = _tokens(CFG, 9, "uniform", 33)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=torch.cuda.Stream()):
+        gc.collect()  # the dropped layer's lanes are torn down here, inside the capture
+        y = layer(x, ids, w)
+    assert sm90._RETIRED, "the torn-down lanes' resources should be parked"
+    y.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert first_mismatch(y, layer(x, ids, w)) == ""
+    assert not sm90._RETIRED, "the next call outside a capture releases them"
 
 
 @pytest.mark.sm90

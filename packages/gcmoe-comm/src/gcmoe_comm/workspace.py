@@ -233,7 +233,10 @@ class Workspace:
             )
         self.spec, self.rank, self.buf, self.peers, self.group = spec, rank, buf, peers, group
         self.views = _views(buf, self.layout)
-        self._siblings: list[Workspace] = [self]
+        # the buffers of every rank in this process (virtual ranks: all P, each kept alive by every sibling since
+        # their kernels address each other; tensors, not workspaces: no reference cycle, a dropped workspace is
+        # freed at once rather than by the cyclic GC, which may run inside someone's CUDA-graph capture)
+        self._local_bufs: tuple[torch.Tensor, ...] = (buf,)
 
     @property
     def base(self) -> int:
@@ -253,7 +256,7 @@ class Workspace:
         peers = tuple(b.data_ptr() for b in bufs)
         wss = [cls(spec, r, b, peers) for r, b in enumerate(bufs)]
         for ws in wss:
-            ws._siblings = wss
+            ws._local_bufs = tuple(bufs)
         return wss
 
     @classmethod
@@ -283,7 +286,7 @@ class Workspace:
         if not 0 <= q < self.spec.ranks:
             raise ValueError(f"peer_views: rank {q} outside [0, {self.spec.ranks})")
         if self.group is None:
-            return self._siblings[q].views
+            return _views(self._local_bufs[q], self.layout)
         buf = self._handle.get_buffer(q, (self.layout.nbytes,), torch.uint8)
         return _views(buf, self.layout)
 
@@ -335,7 +338,7 @@ class Workspace:
             torch.cuda.synchronize(self.buf.device)
             dist.barrier(self.group)
         else:
-            for ws in self._siblings:
-                ws.views.signals.zero_()
+            for buf in self._local_bufs:
+                _views(buf, self.layout).signals.zero_()
             if self.buf.is_cuda:
                 torch.cuda.synchronize(self.buf.device)

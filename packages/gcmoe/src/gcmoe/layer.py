@@ -71,8 +71,8 @@ class InputPadding:
         self._buffers: dict[int, torch.Tensor] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if capturing or torch.compiler.is_compiling():
+        # (is_compiling first: dynamo cannot trace is_current_stream_capturing, a fullgraph compile would break there)
+        if torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return torch.nn.functional.pad(x, (0, self.padded - self.hidden))
         key = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
         buf = self._buffers.get(key)

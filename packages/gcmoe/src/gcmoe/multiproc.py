@@ -26,7 +26,8 @@ model's full layer at ep_size = P and T tokens per rank (uniform routing over al
                   routed among its E/P experts (same weight bytes, same rows per rank: T * k)
     a2a_baseline  what a user writes with torch.distributed: routed rows packed per destination into fixed-capacity
                   slabs, all_to_all_single, the same gcmoe kernels as a world-size-1 layer over the received rows
-                  (top-1 per row, padding rows masked by weight 0), all_to_all_single back, slot sum + shared expert
+                  (top-1 per row; padding rows carry the masked id -1, so they cost no weight bytes or rows),
+                  all_to_all_single back, slot sum + shared expert
 dispatch: gcmoe's READY + dispatch kernels on a comm partition of N SMs (symmetric memory over NVLink: every rank's
 published FP8 rows pulled into the ring; the tokens published once, as in gcmoe_comm.bench) vs
 torch.distributed.all_to_all_single (NCCL) of the same payload bytes (T * k rows of FP8 + scales per rank).
@@ -228,7 +229,11 @@ class AllToAllBaseline:
         p, t_max, k = cfg.ep_size, cfg.max_tokens_per_rank, cfg.top_k
         self.p, self.el, self.group = p, cfg.local_experts, group
         self.cap = t_max * k
-        inner = MoEConfig(cfg.hidden_size, cfg.intermediate_size, self.el, 1, 0, max_tokens_per_rank=p * self.cap)
+        # padding rows carry id -1 (masked_ids): dropped by publish, they load no expert's weights and fill no ring
+        # rows (weight 0 on a real expert instead overstated the baseline: every padding row activated an expert)
+        inner = MoEConfig(
+            cfg.hidden_size, cfg.intermediate_size, self.el, 1, 0, max_tokens_per_rank=p * self.cap, masked_ids=True
+        )
         self.experts = gcmoe.MoELayer(inner, device, "sm90").load(MoEWeights(weights.w13, weights.w2))
         s = cfg.num_shared_experts
         shared_cfg = MoEConfig(cfg.hidden_size, cfg.intermediate_size, s, s, 0, max_tokens_per_rank=t_max)
@@ -236,9 +241,9 @@ class AllToAllBaseline:
         h, rows = cfg.hidden_size, p * self.cap
         self.send_x = torch.zeros(rows, h, dtype=torch.bfloat16, device=device)
         self.recv_x = torch.empty_like(self.send_x)
-        self.pad_meta = torch.stack(  # (local id, weight) of a padding row
-            [torch.arange(rows, device=device) % self.el, torch.zeros(rows, device=device)], 1
-        ).float()
+        self.pad_meta = torch.stack(  # (local id, weight) of a padding row: masked
+            [torch.full((rows,), -1.0, device=device), torch.zeros(rows, device=device)], 1
+        )
         self.send_meta = self.pad_meta.clone()
         self.recv_meta = torch.empty_like(self.send_meta)
         self.back = torch.empty_like(self.send_x)

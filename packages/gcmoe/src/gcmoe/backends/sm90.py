@@ -22,6 +22,12 @@ Resources (all owned by the plan, none module-global):
                status words, the device argument block, and one captured graph per token bucket. Calls on two
                streams never share a workspace; two captures replayed at once on one lane are refused on the device
                (ERR kind BUSY -> CommError), never silently mixed.
+    teardown   a lane refers to its plan weakly (no reference cycle): a dropped layer frees its lanes at once, not
+               whenever the cyclic GC runs, which can be inside someone's capture, where destroying CUDA graphs,
+               streams and buffers invalidates that capture (seen 2026-11-30 on the H200: a capture failed with
+               cudaErrorStreamCaptureInvalidated right after earlier tests' layers became garbage). A lane torn down
+               all the same while the current stream captures (its layer was held in a caller's cycle) parks its
+               resources in _RETIRED; the next layer call outside a capture releases them.
     eager call the call's pointers and T written to the next pinned staging slot, one async copy of it into the
                device argument block, then the bucket's graph replayed: no kernel is launched from Python and
                nothing is captured per call (~45 µs of host time, GPU-bound when called back to back).
@@ -47,6 +53,7 @@ import contextlib
 import math
 import threading
 import time
+import weakref
 from dataclasses import replace
 
 import torch
@@ -165,6 +172,8 @@ class Sm90Plan:
         lane = self.lane(stream)
         if torch.cuda.is_current_stream_capturing():
             return lane.enqueue_captured(x, topk_ids, topk_weights)
+        if _RETIRED:
+            _RETIRED.clear()  # (outside a capture) the resources of lanes torn down during one
         return lane.call(x, topk_ids, topk_weights, check_values, stream)
 
     def check(self) -> None:
@@ -193,15 +202,20 @@ class Sm90Plan:
         }
 
 
+# what lanes torn down during a capture held, released by the next layer call outside one (module docstring: teardown)
+_RETIRED: list[dict] = []
+
+
 class Lane:
     """One caller stream's resources (see the module docstring)."""
 
     def __init__(self, plan: Sm90Plan, stream: torch.cuda.Stream, workspace=None):
         from gcmoe_comm.comm import CommRank
         from gcmoe_comm.kernels import NSLOTS, SLOT_WORDS, STATUS_WORDS
-        from gcmoe_comm.workspace import Workspace
+        from gcmoe_comm.workspace import SIG_ERR, Workspace
+        from gcmoe_core.signals import ERR_WARMUP
 
-        self.plan = plan
+        self.plan = weakref.proxy(plan)  # (the plan holds its lanes: no cycle, see the module docstring)
         cfg, spec, dev = plan.cfg, plan.spec, plan.device
         self.nslots = NSLOTS
         self.probe = None  # tests: (comm, compute) int32 tensors the %smid probe fills beside the roles
@@ -243,6 +257,10 @@ class Lane:
             self.streams: dict[int, tuple] = {}  # comm SMs -> (split, this lane's stream pair on it)
             self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
             self.comm.load()  # every comm kernel loaded before the first cross-rank wait
+            # the GEMMs' warm-up signal words (_load_gemms): zeros with ERR = WARMUP, never written by a kernel
+            self._warm_signals = torch.zeros_like(self.ws.views.signals)
+            self._warm_signals[SIG_ERR] = ERR_WARMUP
+            self._loaded: set = set()  # kernel configurations whose W1 / W2 are loaded
         if cfg.ep_size > 1:
             # every bucket's GEMMs compiled and loaded and its graph captured before the first cross-rank wait too (a
             # rank that compiles a new shape for seconds, or synchronises its device to capture a graph, while its
@@ -255,12 +273,22 @@ class Lane:
 
                 dist.barrier(plan.group)
 
+    def __del__(self):
+        """(see the module docstring: teardown)"""
+        try:
+            capturing = torch.cuda.is_current_stream_capturing()
+        except Exception:  # (interpreter shutdown)
+            return
+        if capturing:
+            _RETIRED.append(dict(self.__dict__))  # keeps the graphs, streams and buffers alive past this capture
+
     # -- kernels
-    def _ring_sync(self, ticket: int):
+    def _ring_sync(self, ticket: int, base: int | None = None):
+        """The GEMMs' RingSync on the signal words at `base` (default: this lane's workspace)."""
         from gcmoe_comm.workspace import SIG_CGEN, SIG_ERR, SIG_INUSE, SIG_L1_FULL, SIG_OFFS, sig_w1_done
         from gcmoe_gemm_sm90.ops import RingSync
 
-        base = self.ws.base
+        base = self.ws.base if base is None else base
         # the compute role's waits end when this rank's dispatch has run, which itself waits up to the bound for its
         # peers: twice the bound, so a dead peer is reported as the root cause (its ready tag), not as this rank's ring
         return RingSync(
@@ -274,13 +302,13 @@ class Lane:
             2 * self.comm.timeout_ns,
         )
 
-    def _gemms(self, kcfg, ticket: int, comm_sms: int = 0) -> None:
+    def _gemms(self, kcfg, ticket: int, comm_sms: int = 0, signals: int | None = None) -> None:
         """W1 then W2 on this lane's ring (ring mode), on the current stream; stream_k W1 over two CTAs per SM of the
-        compute partition (all SMs but comm_sms)."""
+        compute partition (all SMs but comm_sms). signals: their signal words (default: the workspace's)."""
         from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
 
         x, sxT, rw, offs, cnt, dst, src = self.ring
-        sync = self._ring_sync(ticket)
+        sync = self._ring_sync(ticket, signals)
         moe = self.plan.moe
         sk_ctas = 2 * (self.plan.sm_count - comm_sms)
         b13, b2 = moe.w13_bias, moe.w2_bias  # (gpt-oss) W2 adds the ring rows' route_w times b2
@@ -290,9 +318,17 @@ class Lane:
         )
 
     def _load_gemms(self, kcfg) -> None:
-        """Compile + load one bucket's W1 / W2 by launching them with ERR set to WARMUP (they return at once)."""
-        with self.ws.warmup():
-            self._gemms(_ring_config(kcfg), 1)
+        """Compile + load one bucket's W1 / W2 (once per configuration) by launching them on signal words of their
+        own, a scratch copy whose ERR says WARMUP: they return at once and touch nothing a call in flight uses, so this
+        is legal at any time, under a caller's capture too (where a first launch would load the module inside the
+        capture, and the load's synchronisation invalidates it: found 2026-11-30, a masked layer first called inside
+        a capture)."""
+        kcfg = _ring_config(kcfg)
+        if kcfg in self._loaded:
+            return
+        with _outside_capture(self.plan.device):
+            self._gemms(kcfg, 1, signals=self._warm_signals.data_ptr())
+        self._loaded.add(kcfg)
 
     def _partition(self, comm_sms: int):
         """(the device's split of comm_sms SMs, this lane's own stream pair on it), made outside any capture."""
@@ -348,6 +384,7 @@ class Lane:
         from gcmoe_comm.comm import new_ticket
 
         t = x.shape[0]
+        self._load_gemms(self.plan.kernel_config(token_bucket(t)))  # (outside the capture)
         out = torch.empty(t, self.plan.cfg.hidden_size, dtype=torch.bfloat16, device=x.device)
         ticket = new_ticket()
         self._enqueue(token_bucket(t), ticket, lambda: self.comm.publish(x, topk_ids, topk_weights, ticket), out)
