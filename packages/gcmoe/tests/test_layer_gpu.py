@@ -346,23 +346,25 @@ def test_roles_keep_their_partitions_inside_a_callers_capture():
 
 
 @pytest.mark.sm90
-# UNSEEN: a shape no other test of this process compiles, so its first captured call loads its W1 / W2 modules then
+# UNSEEN: shapes no other test of this process compiles, so the first captured call is the first launch of their
+# W1 / W2 anywhere (comm_sms 0) or in a green partition's context (comm_sms 16: module loads are lazy per context)
 @pytest.mark.parametrize(
-    "cfg",
+    ("cfg", "comm_sms"),
     [
-        CFG,
-        MoEConfig.ep_slice("deepseek-v4-flash", 8, max_tokens_per_rank=256),
-        MoEConfig(1536, 512, 8, 2, num_shared_experts=1, max_tokens_per_rank=16),  # UNSEEN
+        (CFG, None),
+        (MoEConfig.ep_slice("deepseek-v4-flash", 8, max_tokens_per_rank=256), None),
+        (MoEConfig(1536, 512, 8, 2, num_shared_experts=1, max_tokens_per_rank=16), 0),  # UNSEEN
+        (MoEConfig(2560, 512, 8, 2, num_shared_experts=1, max_tokens_per_rank=16), 16),  # UNSEEN
     ],
 )
-def test_first_call_inside_a_callers_capture_on_a_fresh_stream(cfg):
+def test_first_call_inside_a_callers_capture_on_a_fresh_stream(cfg, comm_sms):
     """A layer whose very first call is captured (torch.cuda.graph's default global capture mode) on a stream it never
     ran on: its lane is made under the capture (found 2026-11-30 by gcmoe.multiproc bench: the lane's kernel loads
-    synchronised a stream during a capture and invalidated it) and the bucket's GEMMs are loaded outside it (a first
-    launch inside the capture loaded the module there and invalidated it: found the same day, a masked layer), and
-    the replay equals an eager call."""
+    synchronised a stream during a capture and invalidated it) and the bucket's GEMMs are loaded outside it, into
+    every context they launch in (a first launch inside the capture loaded the module there and invalidated it:
+    found the same day), and the replay equals an eager call."""
     weights = make_weights(cfg, 21, "cuda")
-    layer = gcmoe.MoELayer(cfg, "cuda", "sm90").load(weights)
+    layer = gcmoe.MoELayer(cfg, "cuda", "sm90", comm_sms=comm_sms).load(weights)
     x, ids, w = _tokens(cfg, 8, "uniform", 21)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=torch.cuda.Stream()):

@@ -29,6 +29,7 @@ pinned staging slot just before replaying, and waits on the mirrored SEQ before 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -109,17 +110,23 @@ class CommRank:
 
         return cuda.CUstream(torch.cuda.current_stream(self.ws.buf.device).cuda_stream)
 
-    def load(self) -> None:
-        """Compile every kernel and load its module on this device now, by launching each once with the workspace's
-        ERR word set to WARMUP (each kernel then returns at once; nothing crosses ranks), then clear ERR. Call it
-        before the first cross-rank wait (the layer does, before its rendezvous): a rank still loading kernels
-        when its peers already wait would look dead to them."""
+    def load(self, signals: int | None = None) -> None:
+        """Compile every kernel and load its module into the current stream's CUDA context now, by launching each
+        once with ERR set to WARMUP (each kernel then returns at once; nothing crosses ranks). Call it before the
+        first cross-rank wait (the layer does, before its rendezvous): a rank still loading kernels when its peers
+        already wait would look dead to them. Default: the workspace's own ERR word says WARMUP meanwhile (the
+        device quiet before and after). signals: the address of a scratch copy of the signal words whose ERR says
+        WARMUP, taken as every rank's workspace: nothing of the real workspace is read or written, so this is
+        legal while calls are in flight (e.g. loading into another green context, whose module loads are lazy)."""
         k, z = self.kernels, self._zero
-        with self.ws.warmup():
-            k["ready"](self._base_arg, 0, self._stream())
-            k["publish"](self._base_arg, z, z, z, z, z, z, 0, 0, 1, 1, self._stream())
-            k["dispatch"](self._peer_args, self.ws.rank, self._timeout_arg, 1, self._stream())
-            k["finalize"](self._peer_args, self.ws.rank, z, 0, z, self._timeout_arg, 1, z, 1, self._stream())
+        warm = self.ws.warmup() if signals is None else contextlib.nullcontext()
+        base = self._base_arg if signals is None else self._i64(signals)
+        peers = self._peer_args if signals is None else (base,) * len(self._peer_args)
+        with warm:
+            k["ready"](base, 0, self._stream())
+            k["publish"](base, z, z, z, z, z, z, 0, 0, 1, 1, self._stream())
+            k["dispatch"](peers, self.ws.rank, self._timeout_arg, 1, self._stream())
+            k["finalize"](peers, self.ws.rank, z, 0, z, self._timeout_arg, 1, z, 1, self._stream())
 
     def publish_ctas(self, tokens: int) -> int:
         """Publish CTAs for T tokens: a warp per 128-value group, grid-stride, at most 8 per SM."""

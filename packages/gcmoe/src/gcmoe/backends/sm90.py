@@ -19,7 +19,9 @@ Resources (all owned by the plan, none module-global):
                on a private stream): its workspace (Workspace.virtual for P = 1, Workspace.symmetric for P > 1 or
                when a process group is given: collective, so P > 1 layers make their one lane at load), CommRank,
                W1 output buffers, its own stream pair on each partition, the pinned argument staging slots and
-               status words, the device argument block, and one captured graph per token bucket. Calls on two
+               status words, the device argument block, and one captured graph per token bucket. Every kernel is
+               loaded into each CUDA context it launches in (the caller's, and each green partition's: module loads
+               are lazy per context) before a capture could record its first launch there. Calls on two
                streams never share a workspace; two captures replayed at once on one lane are refused on the device
                (ERR kind BUSY -> CommError), never silently mixed.
     teardown   a lane refers to its plan weakly (no reference cycle): a dropped layer frees its lanes at once, not
@@ -257,10 +259,11 @@ class Lane:
             self.streams: dict[int, tuple] = {}  # comm SMs -> (split, this lane's stream pair on it)
             self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
             self.comm.load()  # every comm kernel loaded before the first cross-rank wait
-            # the GEMMs' warm-up signal words (_load_gemms): zeros with ERR = WARMUP, never written by a kernel
+            # warm-up signal words (_load_gemms, _partition): zeros with ERR = WARMUP, never written by a kernel
             self._warm_signals = torch.zeros_like(self.ws.views.signals)
             self._warm_signals[SIG_ERR] = ERR_WARMUP
-            self._loaded: set = set()  # kernel configurations whose W1 / W2 are loaded
+            torch.cuda.current_stream(dev).synchronize()  # set before a warm-up on another stream may read it
+            self._loaded: set = set()  # (kernel configuration, comm SMs) whose W1 / W2 are loaded
         if cfg.ep_size > 1:
             # every bucket's GEMMs compiled and loaded and its graph captured before the first cross-rank wait too (a
             # rank that compiles a new shape for seconds, or synchronises its device to capture a graph, while its
@@ -317,27 +320,39 @@ class Lane:
             moe.w2, self.hq, self.hsT, offs, cnt, dst, src, self.comb, kcfg, sync, rw if b2 is not None else None, b2
         )
 
-    def _load_gemms(self, kcfg) -> None:
-        """Compile + load one bucket's W1 / W2 (once per configuration) by launching them on signal words of their
-        own, a scratch copy whose ERR says WARMUP: they return at once and touch nothing a call in flight uses, so this
-        is legal at any time, under a caller's capture too (where a first launch would load the module inside the
-        capture, and the load's synchronisation invalidates it: found 2026-11-30, a masked layer first called inside
-        a capture)."""
+    def _load_gemms(self, kcfg, comm_sms: int = 0) -> None:
+        """Compile + load one bucket's W1 / W2 (once per configuration and placement) by launching them on signal
+        words of their own, a scratch copy whose ERR says WARMUP: they return at once and touch nothing a call in
+        flight uses, so this is legal at any time, under a caller's capture too (where a first launch would load the
+        module inside the capture, and the load's synchronisation invalidates it: found 2026-11-30, a masked layer
+        first called inside a capture). Module loads are lazy per CUDA context and a green context is a context of
+        its own: with comm_sms, on the partition's compute stream too (made here if new)."""
         kcfg = _ring_config(kcfg)
-        if kcfg in self._loaded:
+        if (kcfg, comm_sms) in self._loaded:
             return
+        warm = self._warm_signals.data_ptr()
         with _outside_capture(self.plan.device):
-            self._gemms(kcfg, 1, signals=self._warm_signals.data_ptr())
-        self._loaded.add(kcfg)
+            self._gemms(kcfg, 1, signals=warm)
+            if comm_sms:
+                compute = self._partition(comm_sms)[1][1]
+                if not _capturing(compute):  # (a stream of this lane already forked into the caller's capture)
+                    with torch.cuda.stream(compute):
+                        self._gemms(kcfg, 1, comm_sms, signals=warm)
+        self._loaded.add((kcfg, comm_sms))
 
     def _partition(self, comm_sms: int):
-        """(the device's split of comm_sms SMs, this lane's own stream pair on it), made outside any capture."""
+        """(the device's split of comm_sms SMs, this lane's own stream pair on it), made outside any capture, with
+        every comm kernel loaded into both partitions' contexts (see _load_gemms)."""
         if comm_sms not in self.streams:
             from gcmoe_greenctx import split_device
 
             with _outside_capture(self.plan.device):
                 part = split_device(comm_sms, self.plan.device.index, mode="auto")
-                self.streams[comm_sms] = (part, part.new_streams())
+                streams = part.new_streams()
+                for s in streams:
+                    with torch.cuda.stream(s):
+                        self.comm.load(self._warm_signals.data_ptr())
+                self.streams[comm_sms] = (part, streams)
         return self.streams[comm_sms]
 
     def _enqueue(self, bucket: int, ticket: int, publish, out: torch.Tensor | None):
@@ -384,7 +399,8 @@ class Lane:
         from gcmoe_comm.comm import new_ticket
 
         t = x.shape[0]
-        self._load_gemms(self.plan.kernel_config(token_bucket(t)))  # (outside the capture)
+        bucket = token_bucket(t)
+        self._load_gemms(self.plan.kernel_config(bucket), self.plan.policy.mode_for(bucket))  # (outside the capture)
         out = torch.empty(t, self.plan.cfg.hidden_size, dtype=torch.bfloat16, device=x.device)
         ticket = new_ticket()
         self._enqueue(token_bucket(t), ticket, lambda: self.comm.publish(x, topk_ids, topk_weights, ticket), out)
@@ -401,10 +417,8 @@ class Lane:
             ctas = self.comm.publish_ctas(bucket)
             publish = lambda: self.comm.publish_slots(self.args.data_ptr(), self.status.data_ptr(), ticket, ctas)
             torch.cuda.synchronize(self.plan.device)  # (never under a capture) no call of this lane in flight anywhere
-            self._load_gemms(self.plan.kernel_config(bucket))  # compile + load outside the capture
             comm_sms = self.plan.policy.mode_for(bucket)
-            if comm_sms:
-                self._partition(comm_sms)
+            self._load_gemms(self.plan.kernel_config(bucket), comm_sms)  # compile + load outside the capture
             g = torch.cuda.CUDAGraph()
             side = torch.cuda.Stream(device=self.plan.device)
             with torch.cuda.graph(g, stream=side):
@@ -525,6 +539,14 @@ def _init_stream(device: torch.device) -> torch.cuda.ExternalStream:
             raise RuntimeError(f"gcmoe: creating a set-up stream on {device} failed: {err}")
         s = _INIT_STREAMS[device.index] = torch.cuda.ExternalStream(int(handle), device=device)
     return s
+
+
+def _capturing(stream: torch.cuda.Stream) -> bool:
+    """Whether `stream` is part of a capture now (any capture, not just the current stream's)."""
+    err, status = _driver.cuStreamIsCapturing(_driver.CUstream(stream.cuda_stream))
+    if err != _driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"gcmoe: cuStreamIsCapturing failed: {err}")
+    return status != _driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
 
 @contextlib.contextmanager
