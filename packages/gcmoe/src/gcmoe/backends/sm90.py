@@ -338,6 +338,7 @@ class Lane:
                 if not _capturing(compute):  # (a stream of this lane already forked into the caller's capture)
                     with torch.cuda.stream(compute):
                         self._gemms(kcfg, 1, comm_sms, signals=warm)
+                    compute.synchronize()  # nothing uncaptured left on a stream a capture may fork next
         self._loaded.add((kcfg, comm_sms))
 
     def _partition(self, comm_sms: int):
@@ -352,6 +353,7 @@ class Lane:
                 for s in streams:
                     with torch.cuda.stream(s):
                         self.comm.load(self._warm_signals.data_ptr())
+                    s.synchronize()
                 self.streams[comm_sms] = (part, streams)
         return self.streams[comm_sms]
 
