@@ -1,13 +1,16 @@
 """gcmoe.multiproc (the layer across processes): its CPU-side pieces here; the run itself on two or more GPUs."""
 
+import os
+import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from gcmoe.multiproc import ROUTINGS, merge_ranks, pack_slots, rank_tokens
+from gcmoe.multiproc import ROUTINGS, AllToAllBaseline, merge_ranks, pack_slots, rank_tokens
 from gcmoe_core.config import MoEConfig
+from gcmoe_core.testing import calc_diff, make_tokens, make_weights
 
 CFG = MoEConfig(1024, 512, 16, 4, 1)
 
@@ -56,6 +59,57 @@ def test_merge_takes_the_slowest_rank():
     ]
     (m,) = merge_ranks(recs)
     assert m["us"] == {"a": 10.0, "b": 7} and m["us_by_rank"][1] == {"a": 8, "b": 7}
+
+
+A2A_CFG = MoEConfig(256, 128, 8, 2, 1, ep_size=2, max_tokens_per_rank=6)
+
+
+def _a2a_tokens(rank):  # (the baseline's equal splits need the same T on every rank)
+    return make_tokens(A2A_CFG.replace(ep_size=1), 4, "uniform", 40 + rank)
+
+
+def _a2a_worker(rank, port, results):
+    import torch.distributed as dist
+
+    import gcmoe
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        full_cfg = A2A_CFG.replace(ep_size=1)
+        full = make_weights(full_cfg, seed=5)
+        base = AllToAllBaseline(A2A_CFG, full.rank_slice(rank, 2), "cpu", dist.group.WORLD, backend="reference")
+        seen, inner = [], base.experts
+        base.experts = lambda x, ids, w: (seen.append(ids.clone()), inner(x, ids, w))[1]
+        x, ids, w = _a2a_tokens(rank)
+        y = base(x, ids, w)
+        want = gcmoe.MoELayer(full_cfg, "cpu", "reference").load(full)(x, ids, w)
+        sent_here = sum(int((_a2a_tokens(q)[1] // 4 == rank).sum()) for q in range(2))  # 4 experts per rank
+        results.put((rank, calc_diff(y, want), int((seen[0] >= 0).sum()), sent_here, seen[0].shape[0]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_to_all_baseline_equals_the_layer_and_padding_reaches_no_expert():
+    """The bench's user-written baseline (all_to_all_single around gcmoe layers) on two CPU processes over gloo, with
+    the reference backend: each rank's output equals a world-size-1 layer holding every expert, and its experts see
+    exactly the rows routed to them: the slabs' padding rows carry the masked id -1 (padding routed to real experts
+    with weight 0 once made the baseline pay for experts nobody chose)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_a2a_worker, args=(r, port, results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    for rank, diff, real, sent_here, rows in got:
+        assert diff < 1e-5, f"rank {rank}: calc_diff {diff}"
+        assert real == sent_here, f"rank {rank}: its experts saw {real} rows, {sent_here} were routed to it"
+        assert rows == 2 * 4 * 2  # P slabs of T x k rows each (padding included)
 
 
 @pytest.mark.multigpu
