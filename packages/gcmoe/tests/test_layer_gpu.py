@@ -402,7 +402,7 @@ def test_a_dropped_layer_frees_its_lanes_at_once():
 
 
 @pytest.mark.sm90
-def test_a_layer_torn_down_during_a_capture_does_not_invalidate_it():
+def test_a_layer_torn_down_during_a_capture_does_not_invalidate_it(monkeypatch):
     """A layer held in a reference cycle is freed by the cyclic GC, which may run inside a capture (forced here): its
     lanes' resources are parked until the next call outside a capture instead of being destroyed in it (found
     2026-11-30: captures failed with cudaErrorStreamCaptureInvalidated after earlier layers became garbage)."""
@@ -410,20 +410,26 @@ def test_a_layer_torn_down_during_a_capture_does_not_invalidate_it():
 
     from gcmoe.backends import sm90
 
+    if hasattr(torch.compiler.config, "force_cudagraph_gc"):  # (torch.cuda.graph would collect before capturing)
+        monkeypatch.setattr(torch.compiler.config, "force_cudagraph_gc", False)
     gc.collect()
-    old, _ = _layer(comm_sms=16, seed=32)
-    x, ids, w = _tokens(CFG, 6, "uniform", 32)
-    old(x, ids, w)  # a lane with its bucket graph
-    torch.cuda.synchronize()
-    cycle = [old]
-    cycle.append(cycle)
-    del old, cycle
-    layer, _ = _layer(seed=33)
-    x, ids, w = _tokens(CFG, 9, "uniform", 33)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=torch.cuda.Stream()):
-        gc.collect()  # the dropped layer's lanes are torn down here, inside the capture
-        y = layer(x, ids, w)
+    gc.disable()  # the cycle below is collected where the test says, not earlier
+    try:
+        old, _ = _layer(comm_sms=16, seed=32)
+        x, ids, w = _tokens(CFG, 6, "uniform", 32)
+        old(x, ids, w)  # a lane with its bucket graph
+        torch.cuda.synchronize()
+        cycle = [old]
+        cycle.append(cycle)
+        del old, cycle
+        layer, _ = _layer(seed=33)
+        x, ids, w = _tokens(CFG, 9, "uniform", 33)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=torch.cuda.Stream()):
+            gc.collect()  # the dropped layer's lanes are torn down here, inside the capture
+            y = layer(x, ids, w)
+    finally:
+        gc.enable()
     assert sm90._RETIRED, "the torn-down lanes' resources should be parked"
     y.fill_(float("nan"))
     g.replay()
