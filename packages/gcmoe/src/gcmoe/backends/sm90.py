@@ -405,7 +405,7 @@ class Lane:
         self._load_gemms(self.plan.kernel_config(bucket), self.plan.policy.mode_for(bucket))  # (outside the capture)
         out = torch.empty(t, self.plan.cfg.hidden_size, dtype=torch.bfloat16, device=x.device)
         ticket = new_ticket()
-        self._enqueue(token_bucket(t), ticket, lambda: self.comm.publish(x, topk_ids, topk_weights, ticket), out)
+        self._enqueue(bucket, ticket, lambda: self.comm.publish(x, topk_ids, topk_weights, ticket), out)
         return out
 
     # -- the eager path: the bucket's graph, arguments through the host slots
