@@ -1,6 +1,5 @@
 """gcmoe.multiproc (the layer across processes): its CPU-side pieces here; the run itself on two or more GPUs."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -8,9 +7,8 @@ import sys
 import pytest
 import torch
 
-from gcmoe.multiproc import ROUTINGS, AllToAllBaseline, merge_ranks, pack_slots, rank_tokens
+from gcmoe.multiproc import ROUTINGS, merge_ranks, pack_slots, rank_tokens
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.testing import calc_diff, make_tokens, make_weights
 
 CFG = MoEConfig(1024, 512, 16, 4, 1)
 
@@ -61,55 +59,58 @@ def test_merge_takes_the_slowest_rank():
     assert m["us"] == {"a": 10.0, "b": 7} and m["us_by_rank"][1] == {"a": 8, "b": 7}
 
 
-A2A_CFG = MoEConfig(256, 128, 8, 2, 1, ep_size=2, max_tokens_per_rank=6)
+A2A_WORKER = """
+import json, os, sys
+import torch.distributed as dist
+import gcmoe
+from gcmoe.multiproc import AllToAllBaseline
+from gcmoe_core.config import MoEConfig
+from gcmoe_core.testing import calc_diff, make_tokens, make_weights
+
+rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+dist.init_process_group("gloo", rank=rank, world_size=2)
+cfg = MoEConfig(256, 128, 8, 2, 1, ep_size=2, max_tokens_per_rank=6)
+full_cfg = cfg.replace(ep_size=1)
+tokens = lambda q: make_tokens(full_cfg, 4, "uniform", 40 + q)  # (equal splits: the same T on every rank)
+full = make_weights(full_cfg, seed=5)
+base = AllToAllBaseline(cfg, full.rank_slice(rank, 2), "cpu", dist.group.WORLD, backend="reference")
+seen, inner = [], base.experts
+base.experts = lambda x, ids, w: (seen.append(ids.clone()), inner(x, ids, w))[1]
+x, ids, w = tokens(rank)
+y = base(x, ids, w)
+want = gcmoe.MoELayer(full_cfg, "cpu", "reference").load(full)(x, ids, w)
+routed_here = sum(int((tokens(q)[1] // 4 == rank).sum()) for q in range(2))  # 4 experts per rank
+res = dict(diff=calc_diff(y, want), seen=int((seen[0] >= 0).sum()), routed=routed_here, rows=seen[0].shape[0])
+open(out, "w").write(json.dumps(res))
+dist.destroy_process_group()
+"""
 
 
-def _a2a_tokens(rank):  # (the baseline's equal splits need the same T on every rank)
-    return make_tokens(A2A_CFG.replace(ep_size=1), 4, "uniform", 40 + rank)
-
-
-def _a2a_worker(rank, port, results):
-    import torch.distributed as dist
-
-    import gcmoe
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        full_cfg = A2A_CFG.replace(ep_size=1)
-        full = make_weights(full_cfg, seed=5)
-        base = AllToAllBaseline(A2A_CFG, full.rank_slice(rank, 2), "cpu", dist.group.WORLD, backend="reference")
-        seen, inner = [], base.experts
-        base.experts = lambda x, ids, w: (seen.append(ids.clone()), inner(x, ids, w))[1]
-        x, ids, w = _a2a_tokens(rank)
-        y = base(x, ids, w)
-        want = gcmoe.MoELayer(full_cfg, "cpu", "reference").load(full)(x, ids, w)
-        sent_here = sum(int((_a2a_tokens(q)[1] // 4 == rank).sum()) for q in range(2))  # 4 experts per rank
-        results.put((rank, calc_diff(y, want), int((seen[0] >= 0).sum()), sent_here, seen[0].shape[0]))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_all_to_all_baseline_equals_the_layer_and_padding_reaches_no_expert():
+def test_all_to_all_baseline_equals_the_layer_and_padding_reaches_no_expert(tmp_path):
     """The bench's user-written baseline (all_to_all_single around gcmoe layers) on two CPU processes over gloo, with
     the reference backend: each rank's output equals a world-size-1 layer holding every expert, and its experts see
     exactly the rows routed to them: the slabs' padding rows carry the masked id -1 (padding routed to real experts
     with weight 0 once made the baseline pay for experts nobody chose)."""
+    import json
+
+    script = tmp_path / "a2a_worker.py"
+    script.write_text(A2A_WORKER)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = torch.multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_a2a_worker, args=(r, port, results)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    got = sorted(results.get(timeout=120) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=30)
-    for rank, diff, real, sent_here, rows in got:
-        assert diff < 1e-5, f"rank {rank}: calc_diff {diff}"
-        assert real == sent_here, f"rank {rank}: its experts saw {real} rows, {sent_here} were routed to it"
-        assert rows == 2 * 4 * 2  # P slabs of T x k rows each (padding included)
+        port = str(sock.getsockname()[1])
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), port, str(outs[r])], stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    errs = [proc.communicate(timeout=240)[1] for proc in procs]
+    for rank, (proc, err) in enumerate(zip(procs, errs)):
+        assert proc.returncode == 0, f"rank {rank}: {err[-3000:]}"
+        res = json.loads(outs[rank].read_text())
+        assert res["diff"] < 1e-5, f"rank {rank}: calc_diff {res['diff']}"
+        assert res["seen"] == res["routed"], f"rank {rank}: its experts saw {res['seen']} rows, {res['routed']} routed"
+        assert res["rows"] == 2 * 4 * 2  # P slabs of T x k rows each (padding included)
 
 
 @pytest.mark.multigpu
