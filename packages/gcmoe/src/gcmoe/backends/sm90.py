@@ -14,7 +14,7 @@ pipeline (the component packages export kernels only).
     comm_sms = 0 for the bucket (the tuned policy above its token threshold, or MoELayer(comm_sms=0)): the same five
     kernels on the caller's stream, in order.
 
-Resources (all owned by the plan, none module-global):
+Resources (all owned by the plan; none module-global but what a torn-down lane parks, see teardown):
     lane       one per caller stream (created on that stream's first call, also under capture: relaxed capture mode
                on a private stream): its workspace (Workspace.virtual for P = 1, Workspace.symmetric for P > 1 or
                when a process group is given: collective, so P > 1 layers make their one lane at load), CommRank,
@@ -334,7 +334,7 @@ class Lane:
         with _outside_capture(self.plan.device):
             self._gemms(kcfg, 1, signals=warm)
             if comm_sms:
-                compute = self._partition(comm_sms)[1][1]
+                _, (_, compute) = self._partition(comm_sms)
                 if not _capturing(compute):  # (a stream of this lane already forked into the caller's capture)
                     with torch.cuda.stream(compute):
                         self._gemms(kcfg, 1, comm_sms, signals=warm)
