@@ -20,7 +20,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gcmoe-gpu-out}/sanitize
 mkdir -p "$OUT"
-export CUTE_DSL_LINEINFO=1 GCMOE_CACHE_DIR=/tmp/gcmoe-sanitize-cache  # line info: reports name source lines
+# line info: reports name source lines; SANITIZE_CACHE_DIR lets two runs side by side keep their caches apart
+export CUTE_DSL_LINEINFO=1 GCMOE_CACHE_DIR=${SANITIZE_CACHE_DIR:-/tmp/gcmoe-sanitize-cache}
 # the explained stage hazards number ~1 M per access pair: keep tracking past the default cap, so that no other
 # hazard goes unreported once the cap is reached
 export NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS=${NV_COMPUTE_SANITIZER_MAX_RACECHECK_HAZARDS:-100000000}

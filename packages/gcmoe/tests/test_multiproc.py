@@ -123,3 +123,35 @@ def test_two_ranks_cold_cache_and_a_late_rank(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=480)  # < a device command's 600 s
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "2 of 2 runs passed at P = 2" in r.stdout
+
+
+@pytest.mark.parametrize(("p", "t", "k", "e"), [(2, 1, 6, 256), (2, 8, 8, 256), (4, 3, 6, 64), (8, 2, 6, 256)])
+def test_balanced_bench_routing_gives_every_rank_its_p1_equal_rows(p, t, k, e):
+    from collections import Counter
+
+    from gcmoe.multiproc import bench_routing, received_load
+
+    per_rank, p1 = bench_routing(p, t, k, e, "balanced", torch.Generator().manual_seed(t + p))
+    el = e // p
+    assert [ids.shape for ids, _ in per_rank] == [(t, k)] * p
+    ids = torch.cat([i for i, _ in per_rank]).reshape(-1)
+    assert ids.dtype == torch.int32 and int(ids.min()) >= 0 and int(ids.max()) < e
+    for r, (local, _) in enumerate(p1):
+        mine = ids[ids.long() // el == r] - r * el
+        assert Counter(mine.tolist()) == Counter(local.reshape(-1).tolist())  # the same rows on the same experts
+    load = received_load(per_rank, p, el)
+    assert load["rows_by_rank"] == [t * k] * p
+    assert load["active_by_rank"] == [local.unique().numel() for local, _ in p1]
+    for _, w in per_rank:
+        assert torch.allclose(w.sum(1), torch.ones(t))
+
+
+def test_uniform_bench_routing_and_bad_options():
+    from gcmoe.multiproc import bench_routing, make_flush, received_load
+
+    per_rank, _ = bench_routing(2, 8, 6, 256, "uniform", torch.Generator().manual_seed(0))
+    assert sum(received_load(per_rank, 2, 128)["rows_by_rank"]) == 2 * 8 * 6
+    with pytest.raises(ValueError, match="unknown bench routing"):
+        bench_routing(2, 1, 6, 256, "skewed", torch.Generator())
+    with pytest.raises(ValueError, match="align must be one of"):
+        make_flush(torch.device("cpu"), "never")

@@ -20,7 +20,10 @@ same arithmetic, so the P-rank layer must match it bit for bit: the multi-rank r
     3. a dead peer: rank 1 skips a call; every other rank's check() raises CommError naming rank 1's ready tag within
        the bound; after recover() on every rank the next call is bit-exact again
 bench: per rank, side by side (interleaved, graph replay, cold L2, medians; the max over ranks reported), for each
-model's full layer at ep_size = P and T tokens per rank (uniform routing over all E experts, the shared expert in):
+model's full layer at ep_size = P and T tokens per rank (the shared expert in), routed by --routing (bench_routing):
+balanced (default: every rank receives exactly T * k rows, the load p1_equal has) or uniform over all E experts (a
+rank receives T * k rows only on average: at T = 1 one rank may hold 9 of V4-Flash's 12 rows, and every rank waits
+for it); each point records the rows and active experts every rank received:
     sequential    gcmoe, comm_sms = 0 (every role on one stream)
     partitioned   gcmoe, comm_sms = 16 (green-context split)
     p1_equal      the same rank at world size 1 with equal per-rank load: MoEConfig.ep_slice(model, P), T tokens
@@ -29,6 +32,10 @@ model's full layer at ep_size = P and T tokens per rank (uniform routing over al
                   slabs, all_to_all_single, the same gcmoe kernels as a world-size-1 layer over the received rows
                   (top-1 per row; padding rows carry the masked id -1, so they cost no weight bytes or rows),
                   all_to_all_single back, slot sum + shared expert
+Every timed replay starts after a host barrier, an L2 flush and (--align device, the default) a one-word NCCL
+all-reduce on the timing stream, so the ranks' replays start together on the GPUs; with --align host (what the
+2026-11-30 records used) each rank's replay starts when its host gets there after the barrier, and a rank that
+starts early waits for its peer's READY inside the timed span: the host skew is counted as layer time.
 dispatch: gcmoe's READY + dispatch kernels on a comm partition of N SMs (symmetric memory over NVLink: every rank's
 published FP8 rows pulled into the ring; the tokens published once, as in gcmoe_comm.bench) vs
 torch.distributed.all_to_all_single (NCCL) of the same payload bytes (T * k rows of FP8 + scales per rank).
@@ -201,6 +208,30 @@ def run_checks(p: int, runs: int, replays: int, out: str, bound_ms: float, delay
 
 
 # ------------------------------------------------------------------------------------------------------------ bench
+ALIGNS = ("device", "host")
+
+
+def make_flush(dev, align: str):
+    """The untimed step before every timed replay (module docstring): host barrier, cold L2, and with align="device"
+    a one-word all-reduce on the current stream, so every rank's start event follows the same collective."""
+    import torch
+    import torch.distributed as dist
+
+    from gcmoe_core.timing import ColdL2
+
+    if align not in ALIGNS:
+        raise ValueError(f"align must be one of {ALIGNS}, got {align!r}")
+    cold, word = ColdL2(dev), torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def flush() -> None:
+        dist.barrier()
+        cold()
+        if align == "device":
+            dist.all_reduce(word)
+
+    return flush
+
+
 def pack_slots(ids, experts_per_rank: int, ranks: int, cap: int):
     """Where each routed row (token, slot) of ids [T, k] goes in the per-destination send slabs [ranks * cap]:
     (slot index [T * k] int64, destination-local expert id [T * k] int64). Rows keep (token, slot) order within a
@@ -275,6 +306,48 @@ class AllToAllBaseline:
 
 
 BENCH_VARIANTS = ("sequential", "partitioned", "p1_equal", "a2a_baseline")
+BENCH_ROUTINGS = ("balanced", "uniform")
+
+
+def bench_routing(p: int, t: int, k: int, e: int, routing: str, g) -> tuple[list, list]:
+    """One bench point's routing, drawn for every rank at once from g (every process draws the same):
+    (for the P-rank layer, per rank: ids [T, k] int32 global, weights [T, k] fp32;
+     for p1_equal, per rank: ids [T, k] int32 over the rank's E / P experts, weights).
+        uniform   the P-rank layer's ids by gcmoe_core.testing.make_routing over all E experts (a rank receives T * k
+                  rows on average); p1_equal's drawn the same way over E / P experts, independently
+        balanced  p1_equal's ids first (make_routing over E / P, per rank); then rank r's T * k (row, expert) pairs,
+                  in order, fill the global slots s = token * k + j (tokens in rank order) with s mod P = r: every
+                  rank receives exactly the rows of its p1_equal call, on the same experts (a token may then carry
+                  one expert twice where the pairs straddle two rows: duplicates are legal routing)"""
+    import torch
+
+    from gcmoe_core.testing import make_routing
+
+    n, el = p * t, e // p
+
+    def split(ids, w):
+        return [(ids[r * t : (r + 1) * t], w[r * t : (r + 1) * t]) for r in range(p)]
+
+    p1 = [make_routing(t, k, el, "uniform", g) for _ in range(p)]
+    if routing == "uniform":
+        return split(*make_routing(n, k, e, "uniform", g)), p1
+    if routing != "balanced":
+        raise ValueError(f"unknown bench routing {routing!r}; known: {BENCH_ROUTINGS}")
+    ids = torch.empty(n * k, dtype=torch.int32)
+    dest = torch.arange(n * k) % p
+    for r, (local, _) in enumerate(p1):
+        ids[dest == r] = r * el + local.reshape(-1)
+    w = torch.softmax(torch.randn(n, k, generator=g), dim=1).float()
+    return split(ids.view(n, k), w), p1
+
+
+def received_load(per_rank: list, p: int, el: int) -> dict:
+    """Rows and active experts each rank receives from a bench_routing draw."""
+    import torch
+
+    ids = torch.cat([i for i, _ in per_rank]).reshape(-1).long()
+    mine = [ids[ids // el == r] for r in range(p)]
+    return {"rows_by_rank": [m.numel() for m in mine], "active_by_rank": [m.unique().numel() for m in mine]}
 
 
 def _bench_variant(name: str, cfg, slice_cfg, w_rank, dev, group):
@@ -289,7 +362,9 @@ def _bench_variant(name: str, cfg, slice_cfg, w_rank, dev, group):
     return gcmoe.MoELayer(cfg, dev, "sm90", comm_sms=comm_sms, group=group).load(w_rank)
 
 
-def _bench_worker(rank, p, store, out_dir, models, tokens, iters, variants=BENCH_VARIANTS) -> None:
+def _bench_worker(
+    rank, p, store, out_dir, models, tokens, iters, variants=BENCH_VARIANTS, align="device", routing="balanced"
+) -> None:
     res: dict = {"rank": rank, "ranks": p, "points": []}
     with rank_record(out_dir, res):
         dev = init_rank(rank, p, store)
@@ -298,13 +373,12 @@ def _bench_worker(rank, p, store, out_dir, models, tokens, iters, variants=BENCH
 
         import gcmoe
         from gcmoe_core.config import MoEConfig
-        from gcmoe_core.testing import calc_diff, make_routing, make_weights
-        from gcmoe_core.timing import ColdL2, capture_graph, time_once
+        from gcmoe_core.testing import calc_diff, make_weights
+        from gcmoe_core.timing import capture_graph, time_once
 
         group = dist.group.WORLD
         cs = torch.cuda.Stream(dev)  # warm-up and capture stream: every layer's lane exists before its capture
-        cold = ColdL2(dev)
-        flush = lambda: (dist.barrier(), cold())  # every rank starts each timed replay together, L2 cold
+        flush = make_flush(dev, align)  # every rank starts each timed replay together, L2 cold
         for model in models:
             cfg = MoEConfig.from_model(model, ep_size=p, max_tokens_per_rank=max(tokens))
             slice_cfg = MoEConfig.ep_slice(model, p, max_tokens_per_rank=max(tokens))
@@ -313,8 +387,10 @@ def _bench_worker(rank, p, store, out_dir, models, tokens, iters, variants=BENCH
             for t in tokens:
                 g = torch.Generator().manual_seed(1000 * t + rank)
                 x = torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16).to(dev)
-                args = [x, *(a.to(dev) for a in make_routing(t, cfg.top_k, cfg.num_experts, "uniform", g))]
-                args1 = [x, *(a.to(dev) for a in make_routing(t, cfg.top_k, slice_cfg.num_experts, "uniform", g))]
+                draw = torch.Generator().manual_seed(t)  # the same on every rank
+                per_rank, p1 = bench_routing(p, t, cfg.top_k, cfg.num_experts, routing, draw)
+                args = [x, *(a.to(dev) for a in per_rank[rank])]
+                args1 = [x, *(a.to(dev) for a in p1[rank])]
                 graphs, outs = {}, {}
                 for name, layer in layers.items():
                     dist.barrier()
@@ -324,7 +400,9 @@ def _bench_worker(rank, p, store, out_dir, models, tokens, iters, variants=BENCH
                 for _ in range(iters):
                     for name, gr in graphs.items():
                         times[name].append(time_once(gr.replay, flush))
-                point = {"model": model, "tokens": t, "us": {n: statistics.median(v) for n, v in times.items()}}
+                us = {n: statistics.median(v) for n, v in times.items()}
+                point = {"model": model, "tokens": t, "routing": routing, "us": us}
+                point.update(received_load(per_rank, p, cfg.local_experts))
                 if "sequential" in outs and "a2a_baseline" in outs:
                     point["a2a_vs_sequential_calc_diff"] = calc_diff(outs["a2a_baseline"], outs["sequential"])
                 if "sequential" in outs and "partitioned" in outs:
@@ -340,7 +418,7 @@ def _bench_worker(rank, p, store, out_dir, models, tokens, iters, variants=BENCH
             torch.cuda.empty_cache()
 
 
-def _dispatch_worker(rank, p, store, out_dir, sms_list, tokens, iters) -> None:
+def _dispatch_worker(rank, p, store, out_dir, sms_list, tokens, iters, align="device") -> None:
     res: dict = {"rank": rank, "ranks": p, "points": []}
     with rank_record(out_dir, res):
         dev = init_rank(rank, p, store)
@@ -351,14 +429,13 @@ def _dispatch_worker(rank, p, store, out_dir, sms_list, tokens, iters) -> None:
         from gcmoe_comm.ring import RingSpec
         from gcmoe_comm.workspace import Workspace
         from gcmoe_core.testing import make_routing
-        from gcmoe_core.timing import ColdL2, capture_graph, time_once
+        from gcmoe_core.timing import capture_graph, time_once
         from gcmoe_greenctx.partition import split_device
 
         h, e, k, bm = 7168, 256, 8, 16  # DeepSeek-V3 routing over P ranks
         spec = RingSpec(p, e // p, h, k, max(tokens), bm)
         ws = Workspace.symmetric(spec)
-        cold = ColdL2(dev)
-        flush = lambda: (dist.barrier(), cold())  # every rank starts each timed replay together, L2 cold
+        flush = make_flush(dev, align)  # every rank starts each timed replay together, L2 cold
         for sms in sms_list:
             part = split_device(sms)
             comm = CommRank(ws, timeout_ms=5000)
@@ -426,6 +503,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sms", type=int, nargs="+", default=[16, 24])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--variants", nargs="+", choices=BENCH_VARIANTS, default=list(BENCH_VARIANTS), help="bench only")
+    ap.add_argument("--routing", choices=BENCH_ROUTINGS, default="balanced", help="bench only: bench_routing")
+    ap.add_argument("--align", choices=ALIGNS, default="device", help="bench, dispatch: how the ranks' replays start")
     a = ap.parse_args(argv)
     if a.ranks < 1:
         raise SystemExit("--ranks: needs at least one GPU")
@@ -440,9 +519,16 @@ def main(argv=None) -> int:
     else:
         worker = _bench_worker if a.what == "bench" else _dispatch_worker
         extra = (a.models, a.tokens, a.iters, tuple(a.variants)) if a.what == "bench" else (a.sms, a.tokens, a.iters)
+        extra = (*extra, a.align, a.routing) if a.what == "bench" else (*extra, a.align)
         recs = spawn_ranks(worker, a.ranks, f"{a.out}/{a.what}", *extra)
         ok = all(r["ok"] for r in recs)
-        rec = {**meta, "ok": ok, "errors": [r.get("error") for r in recs if not r["ok"]]}
+        rec = {
+            **meta,
+            "align": a.align,
+            "routing": a.routing if a.what == "bench" else None,
+            "ok": ok,
+            "errors": [r.get("error") for r in recs if not r["ok"]],
+        }
         if ok:
             rec["points"] = merge_ranks(recs)
     Path(a.out).mkdir(parents=True, exist_ok=True)
