@@ -31,7 +31,6 @@ Runtime: derandomize=True (the same examples every run), deadline None, max_exam
 from __future__ import annotations
 
 import functools
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -705,7 +704,6 @@ def test_any_mxfp4_weights_load_as_they_are(target):
             return MXFP4Tensor(packed, scale)
 
         ws = (mx(e, 2 * i, h), mx(e, h, i), mx(s, 2 * i, h), mx(s, h, i))
-        gc.collect()  # (an earlier layer freed by the GC while this one captures its graphs invalidates the capture)
         layer = gcmoe.MoELayer(cfg, target.device, target.backend, emulate=target.emulate).load_mxfp4(*ws)
         b = Built(cfg, layer, ForwardSpy(layer.packed.plan), MoEWeights(*ws), _oracle_weights(target, MoEWeights(*ws)))
         x = (torch.randn(5, h, generator=g) * 2.0 ** ((127 - lo) // 4)).to(torch.bfloat16)
