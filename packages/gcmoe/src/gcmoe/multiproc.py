@@ -2,8 +2,8 @@
 
     python -m gcmoe.multiproc check [--ranks P] [--runs N] [--replays 1000] [--cold-cache] [--delay-s S] --out DIR
     python -m gcmoe.multiproc bench [--ranks P] [--models ...] [--tokens 1 8 32 128 256] [--iters 30] [--variants ...]
-                                    --out DIR
-    python -m gcmoe.multiproc dispatch [--ranks P] [--sms 16 24] [--tokens ...] --out DIR
+                                    [--routing balanced|uniform] [--align device|host] --out DIR
+    python -m gcmoe.multiproc dispatch [--ranks P] [--sms 16 24] [--tokens ...] [--align device|host] --out DIR
 
 check: each run spawns P fresh processes (run 0 with an empty kernel cache when --cold-cache: every kernel compiled
 while the peers may already wait; odd runs start rank P - 1 --delay-s late, longer than the wait bound). Every rank
