@@ -156,6 +156,39 @@ def test_graph_replays_bitwise_identical_with_new_routing(splits, stream_k):
         assert first_mismatch(y, first) == ""
 
 
+@pytest.mark.parametrize("routing", ["one_expert", "half_empty", "uniform"])
+@pytest.mark.parametrize("splits", [(1, 1), (2, 2)], ids=["no-splits", "k-splits"])
+def test_bounded_grid_rows_give_the_full_grids_bits(routing, splits):
+    """W1 / W2 with active-first grid rows bounded by the experts that have rows (exactly those, and one more) store
+    the same bits as the full grid (one row per expert), on poisoned outputs."""
+    from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
+
+    cfg = Sm90Config(n_tile=8, stages=3, prefetch=1, splits=splits)  # (active_first is the default)
+    routed = SMALL.replace(num_shared_experts=0)
+    x, ids, w, weights, _ = make_problem(Case(routed, 3, routing, seed=11), device="cuda")
+    moe = MoESm90.from_weights(weights, cfg)
+    layout = group_rows(ids, SMALL.num_experts, cfg.n_tile)
+    acts = prepare_activations(x, w, layout, SMALL.top_k)
+    active = int((layout.counts > 0).sum())
+    assert active < SMALL.num_experts
+    src = torch.zeros(layout.rows, 3, dtype=torch.int32, device="cuda")
+    results = []
+    for rows in (None, active, active + 1):
+        hq = torch.full((layout.rows, SMALL.intermediate_size), 0xFF, dtype=torch.uint8, device="cuda")
+        hsT = torch.full((2 * SMALL.intermediate_size // 256, layout.rows), float("nan"), device="cuda")
+        launch_w1(
+            moe.w13, acts.x_rows, acts.sxT, acts.route_w, layout.offsets, layout.counts, hq, hsT, cfg, grid_rows=rows
+        )
+        out = torch.full((ids.numel(), SMALL.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+        comb = torch.full((1,), out.data_ptr(), dtype=torch.int64, device="cuda")
+        launch_w2(moe.w2, hq, hsT, layout.offsets, layout.counts, layout.src_slot, src, comb, cfg, grid_rows=rows)
+        torch.cuda.synchronize()
+        results.append(out)
+    assert not results[0].isnan().any(), "unwritten output rows"
+    for out in results[1:]:
+        assert first_mismatch(out, results[0]) == ""
+
+
 # ------------------------------------------------------------------------------------------------ ring mode
 # Hand-made rows as gcmoe-comm's dispatch leaves them on the ring: expert offsets padded to the ring block of 8 rows
 # (Sm90Config.ring_bm), not to the N tile, so activation boxes start inside another expert's tile grid

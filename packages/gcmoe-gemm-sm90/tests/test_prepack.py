@@ -201,6 +201,12 @@ def test_launch_argument_checks_raise_before_any_launch(monkeypatch):
         "row layout": [dict(counts=lay.counts[:-1]), dict(offsets=lay.offsets[:-1])],
         "activation rows": [dict(x_rows=acts.x_rows.view(torch.float8_e4m3fn)), dict(x_rows=acts.x_rows[:, :256])],
         "RingSync goes with cfg.ring": [dict(ring=ring), dict(cfg=replace(cfg, ring=True))],
+        # grid rows: 1..E, below E only where row y runs the y-th expert with rows (active_first)
+        "grid_rows": [
+            dict(grid_rows=0),
+            dict(grid_rows=SMALL.num_experts + 1),
+            dict(grid_rows=2, cfg=replace(cfg, active_first=False)),
+        ],
     }
     for match, cases in w1_cases.items():
         for kw in cases:
@@ -215,6 +221,7 @@ def test_launch_argument_checks_raise_before_any_launch(monkeypatch):
         "row layout": [dict(counts=lay.counts[:-1])],
         "activation rows": [dict(hq=torch.zeros(r, 2 * i, dtype=torch.uint8))],  # W2's K is I, not 2 I
         "RingSync goes with cfg.ring": [dict(ring=ring), dict(cfg=replace(cfg, ring=True))],
+        "grid_rows": [dict(grid_rows=-1), dict(grid_rows=3, cfg=replace(cfg, active_first=False))],
     }
     for match, cases in w2_cases.items():
         for kw in cases:
@@ -229,6 +236,8 @@ def test_launch_argument_checks_raise_before_any_launch(monkeypatch):
         lambda: run_w1(),
         lambda: run_w2(),
         lambda: run_w1(cfg=replace(cfg, ring=True), ring=ring),
+        lambda: run_w1(grid_rows=2),
+        lambda: run_w2(grid_rows=SMALL.num_experts, cfg=replace(cfg, active_first=False)),
         lambda: run_w2(cfg=replace(cfg, ring=True), ring=ring),
         lambda: w1(moe.w13, acts, lay, cfg),
         lambda: w2(moe.w2, hq, hsT, lay, out, cfg),

@@ -148,8 +148,10 @@ def choose_config(
     n_tile = n_tile_for(expected)
     occupancy, warpgroups = tile_shape(n_tile)
     prefetch = 2 if (hidden // WINDOW_K) % 2 == 0 and (inter // WINDOW_K) % 2 == 0 else 1  # windows per loop step
-    # shared-memory activation scales: 4-5 % faster at n_tile 16, 1-3 % at 32, 2-4 % slower at 8 (two more barriers per
-    # N tile for a loop that is short at n_tile 8), side by side on the H200, 2026-11-29 (sm90-grouped-v3)
+    # shared-memory activation scales at every N tile: 4-5 % faster at n_tile 16, 1-3 % at 32 (sm90-grouped-v3); at
+    # n_tile 8 measured 2-4 % slower then, but on today's kernel the per-window global load of the scales was the
+    # promote's top stall (ncu source counters) and staging them made the layer 1.01-1.09x faster at T = 1, 2, 8
+    # (DeepSeek-V3 / V4-Flash, H200, 2026-12-01, tools/gpu/split_sweep.py --sweep scales)
     # experts with at least one row under uniform routing, and each kernel's tiles against the SM slots
     # (a token's top-k are k distinct experts: one token makes exactly k active)
     active = num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** tokens_per_rank)
@@ -159,7 +161,7 @@ def choose_config(
         prefetch=prefetch,
         occupancy=occupancy,
         warpgroups=warpgroups,
-        smem_scales=n_tile >= 16,
+        smem_scales=True,
         active_first=active < ACTIVE_FIRST_BELOW * num_experts,
     )
     # K splits (measured on the whole layer, shared expert included, H200, 2026-11-30, tools/gpu/split_sweep.py,

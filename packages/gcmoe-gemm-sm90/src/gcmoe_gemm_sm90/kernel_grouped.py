@@ -69,9 +69,14 @@ Inputs (see ops.py for how they are made):
     W1: rw fp32 [R] routing weight per row; hq uint8 [R, M/2] FP8 intermediate; hsT fp32 [M/256, R] its scales
     W2: dst int32 [R] output row per input row; src int32 [R, 3] its (rank, token, slot); comb int64 [P] the output
         buffer (bf16 [*, M]) of every rank
-Grid [M tiles, E, K splits]: with cfg.active_first, grid row y runs the y-th expert that has rows (a ballot over cnt in
-every warp), so the CTAs of empty experts launch after all CTAs with work (1.04-1.12x at one token per rank, where
+Grid [M tiles, rows, K splits]: with cfg.active_first, grid row y runs the y-th expert that has rows (a ballot over cnt
+in every warp), so the CTAs of empty experts launch after all CTAs with work (1.04-1.12x at one token per rank, where
 75-80 % of the experts are empty; 0.97-1.0x when nearly all have rows: sm90-grouped-v7); else row y runs expert y.
+rows (the `ctas` argument): E, or with active_first any bound the caller knows on the experts that have rows (a
+world-size-1 layer: its bucket x top_k routed + the shared experts), so the CTAs of empty experts never launch: at one
+token per rank they were 80 % of the grid, and where W1 runs K-split clusters that fill the SM slots they queued
+behind the working CTAs to the end of W1, holding back W2's programmatic launch (the layer 1.11x faster for
+DeepSeek-V4-Flash at T = 1, 1.04x for DeepSeek-V3 at T = 2; H200, 2026-12-01).
 stream_k (W1): grid [ctas] (two per SM); the tiles of every expert with rows (experts ascending, N tiles, M tiles:
 locate_tile) times their windows in units of `prefetch` windows, split in equal ranges over the CTAs; a CTA's
 pieces are the tiles its range touches (the first SK_TABLE kept in shared memory); a piece with only part of a tile's
@@ -237,7 +242,8 @@ class GroupedGemmSm90:
             tiled_mma,
             b_smem_staged,
         ).launch(
-            grid=[ctas, 1, 1] if self.stream_k else [self.m_tiles, num_experts, self.splits],
+            # ctas: stream_k's CTAs, else the grid rows (see the module docstring: Grid)
+            grid=[ctas, 1, 1] if self.stream_k else [self.m_tiles, ctas, self.splits],
             block=[self.threads, 1, 1],
             cluster=[1, 1, self.splits] if self.splits > 1 else None,
             use_pdl=self.cfg.pdl,
@@ -337,7 +343,7 @@ class GroupedGemmSm90:
             if ok == 0:
                 e_found = Int32(-1)
             elif cutlass.const_expr(self.cfg.active_first):
-                e_found = self.active_expert(cnt, ey, cute.arch.grid_dim()[1], lane)
+                e_found = self.active_expert(cnt, ey, num_experts, lane)
             e = cutlass.max(e_found, 0)
             if e_found >= 0:
                 count = cnt[e]

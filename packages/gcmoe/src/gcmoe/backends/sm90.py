@@ -168,6 +168,16 @@ class Sm90Plan:
     def kernel_config(self, bucket: int):
         return self.moe.config_for(bucket, self.cfg.top_k)
 
+    def grid_rows(self, bucket: int, kcfg) -> int | None:
+        """The W1 / W2 grid rows of a bucket: at world size 1 with active-first rows, the ring experts that can have
+        rows (bucket x top_k routed ids, at most the local experts, + the shared experts): the CTAs of the others
+        are not launched (gcmoe_gemm_sm90.kernel_grouped: Grid). None (one row per ring expert) otherwise: with P
+        ranks a peer's call may bring more tokens than this rank's bucket."""
+        s = self.spec
+        if s.ranks > 1 or not kcfg.active_first:
+            return None
+        return min(s.ring_experts, min(s.local_experts, bucket * s.top_k) + s.shared)
+
     # -- LayerPlan
     def forward(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
         stream = torch.cuda.current_stream(self.device)
@@ -305,9 +315,10 @@ class Lane:
             2 * self.comm.timeout_ns,
         )
 
-    def _gemms(self, kcfg, ticket: int, comm_sms: int = 0, signals: int | None = None) -> None:
+    def _gemms(self, kcfg, ticket: int, comm_sms: int = 0, signals: int | None = None, rows: int | None = None):
         """W1 then W2 on this lane's ring (ring mode), on the current stream; stream_k W1 over two CTAs per SM of the
-        compute partition (all SMs but comm_sms). signals: their signal words (default: the workspace's)."""
+        compute partition (all SMs but comm_sms). signals: their signal words (default: the workspace's). rows: their
+        grid rows (Sm90Plan.grid_rows; default: one per ring expert)."""
         from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
 
         x, sxT, rw, offs, cnt, dst, src = self.ring
@@ -315,9 +326,23 @@ class Lane:
         moe = self.plan.moe
         sk_ctas = 2 * (self.plan.sm_count - comm_sms)
         b13, b2 = moe.w13_bias, moe.w2_bias  # (gpt-oss) W2 adds the ring rows' route_w times b2
-        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.sk_scratch, sk_ctas, b13)
+        launch_w1(
+            moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.sk_scratch, sk_ctas, b13, grid_rows=rows
+        )
         launch_w2(
-            moe.w2, self.hq, self.hsT, offs, cnt, dst, src, self.comb, kcfg, sync, rw if b2 is not None else None, b2
+            moe.w2,
+            self.hq,
+            self.hsT,
+            offs,
+            cnt,
+            dst,
+            src,
+            self.comb,
+            kcfg,
+            sync,
+            rw if b2 is not None else None,
+            b2,
+            grid_rows=rows,
         )
 
     def _load_gemms(self, kcfg, comm_sms: int = 0) -> None:
@@ -388,7 +413,8 @@ class Lane:
             if probe is not None:
                 record_smids(probe[1], 20_000)
 
-        roles = RoleNodes(dispatch, lambda: self._gemms(kcfg, ticket, comm_sms), finalize)
+        rows = plan.grid_rows(bucket, kcfg)
+        roles = RoleNodes(dispatch, lambda: self._gemms(kcfg, ticket, comm_sms, rows=rows), finalize)
         if comm_sms == 0:
             for role in (roles.dispatch, roles.compute, roles.finalize):
                 role()
