@@ -56,15 +56,15 @@ TOL = 1e-3
 TIMEOUT_MS = 60_000  # every cross-rank / cross-partition wait (the sanitizers slow the kernels down)
 
 RING_CONFIGS = {
-    "plain": Sm90Config(8, 3, 2, occupancy=2, smem_scales=False, expert_sync=False),
-    "splitk": Sm90Config(16, 3, 2, occupancy=2, smem_scales=True, splits=(2, 2), expert_sync=False),
-    "expert-sync": Sm90Config(8, 3, 2, occupancy=2, smem_scales=False, expert_sync=True),
-    "stream-k": Sm90Config(8, 3, 2, occupancy=2, smem_scales=False, expert_sync=True, stream_k=True),
-    "wg4": Sm90Config(32, 2, 2, occupancy=1, warpgroups=4, smem_scales=True, expert_sync=True),
+    "plain": Sm90Config(8, 3, 2, occupancy=2, expert_sync=False),
+    "splitk": Sm90Config(16, 3, 2, occupancy=2, splits=(2, 2), expert_sync=False),
+    "expert-sync": Sm90Config(8, 3, 2, occupancy=2, expert_sync=True),
+    "stream-k": Sm90Config(8, 3, 2, occupancy=2, expert_sync=True, stream_k=True),
+    "wg4": Sm90Config(32, 2, 2, occupancy=1, warpgroups=4, expert_sync=True),
 }
 ROW_CONFIGS = {
-    "n8": Sm90Config(8, 3, 2, occupancy=2, smem_scales=False),
-    "n16-splitk": Sm90Config(16, 3, 2, occupancy=2, smem_scales=True, splits=(2, 1)),
+    "n8": Sm90Config(8, 3, 2, occupancy=2),
+    "n16-splitk": Sm90Config(16, 3, 2, occupancy=2, splits=(2, 1)),
     "n32-wg4": Sm90Config(32, 2, 2, occupancy=1, warpgroups=4),
 }
 

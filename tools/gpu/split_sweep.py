@@ -4,7 +4,6 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep splits       other (W1, W2) K splits (at small T; each with expert_sync where its W1 is unsplit)
     --sweep expert_sync  W2 per expert after its W1 tiles (W1_DONE tags) vs after the whole W1 grid
     --sweep stream_k     the chosen config vs W1 unsplit vs W1 stream_k (equal window ranges per CTA slot)
-    --sweep scales       token scales staged in shared memory per N tile vs loaded from global memory per window
     --sweep grid         W1 / W2 grid rows bounded by the experts that can have rows (the default at world size 1 with
                          active-first rows) vs one row per ring expert; and 4 warpgroups at N tiles <= 24
 
@@ -26,7 +25,7 @@ from gcmoe_gemm_sm90.config import can_implement, with_splits
 from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--sweep", choices=("splits", "expert_sync", "stream_k", "grid", "scales"), default="splits")
+ap.add_argument("--sweep", choices=("splits", "expert_sync", "stream_k", "grid"), default="splits")
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
 ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2])
@@ -52,9 +51,6 @@ for model in args.models:
         elif args.sweep == "stream_k":
             unsplit = with_splits(replace(chosen, stream_k=False), (1, chosen.splits[1]), h, i)
             variants = {"chosen": chosen, "w1_unsplit": unsplit, "stream_k": replace(unsplit, stream_k=True)}
-        elif args.sweep == "scales":
-            other = with_splits(replace(chosen, smem_scales=not chosen.smem_scales), chosen.splits, h, i)
-            variants = {"chosen": chosen, "smem_scales" if other.smem_scales else "global_scales": other}
         elif args.sweep == "grid":
             variants = {"chosen": chosen, "full_grid": chosen}
             if chosen.n_tile <= 24:

@@ -18,7 +18,6 @@ VARIANTS = [
     ("w1", 4096, 4096, Sm90Config(8, 4, 4)),
     ("w2", 4096, 2048, Sm90Config(8, 4, 1)),
     ("w1", 4096, 4096, Sm90Config(32, 4, 2)),
-    ("w1", 4096, 7168, Sm90Config(8, 4, 2, 2, smem_scales=False)),  # activation scales from global memory (v2)
     ("w1", 4096, 7168, with_splits(Sm90Config(16, 2, 2, 2), (4, 4), 7168, 2048)),  # K splits over a 4-CTA cluster
     # the chosen configurations (T = 1, 32, 64, 128, 256 on a DeepSeek-V3 EP8 rank: N 8, 16, 24, 48 with 4
     # warpgroups, 80 with 2), as the operator runs them (ring mode) and on prepared rows
@@ -62,7 +61,7 @@ VARIANTS += GPT_OSS_VARIANTS
     ids=lambda v: (
         str(v)
         if not hasattr(v, "n_tile")
-        else f"n{v.n_tile}s{v.stages}p{v.prefetch}o{v.occupancy}ss{v.smem_scales:d}sp{v.splits[0]}{v.splits[1]}"
+        else f"n{v.n_tile}s{v.stages}p{v.prefetch}o{v.occupancy}sp{v.splits[0]}{v.splits[1]}"
         f"{'' if v.warpgroups == 2 else 'wg4'}{'ring' if v.ring else ''}{'sk' if v.stream_k else ''}"
         f"{'clamp' if v.activation == 'swiglu_clamped' else ''}{'bias' if v.bias else ''}"
     ),

@@ -73,7 +73,6 @@ def sm90_layer(moe: MoESm90, x, ids, w):
 
 VARIANTS = {  # weights by bulk copy into the pipeline's stages (the only weight stream)
     "smem-scales": dict(prefetch=2),
-    "global-scales": dict(prefetch=2, smem_scales=False),
     # K splits over a cluster (SMALL: W1 has 4 windows, W2 2): partial sums pushed to the leader
     "split2": dict(prefetch=1, splits=(2, 2)),
     "split4": dict(prefetch=1, splits=(4, 2)),
@@ -204,10 +203,9 @@ TICKET = 7
 TIMEOUT_MS = 100
 RING_VARIANTS = {
     "n16": Sm90Config(n_tile=16, stages=3, prefetch=2),
-    "n8-global-scales": Sm90Config(n_tile=8, stages=3, prefetch=2, smem_scales=False),
     "n16-split2": Sm90Config(n_tile=16, stages=3, prefetch=1, splits=(2, 2)),
     "n32-4wg": Sm90Config(n_tile=32, stages=3, prefetch=2, warpgroups=4),
-    "n8-stream-k": Sm90Config(n_tile=8, stages=3, prefetch=2, smem_scales=False, stream_k=True),
+    "n8-stream-k": Sm90Config(n_tile=8, stages=3, prefetch=2, stream_k=True),
     "n16-stream-k-p1": Sm90Config(n_tile=16, stages=3, prefetch=1, stream_k=True),
 }
 

@@ -37,7 +37,7 @@ One call on rank r (generation g = the call count since the last recover), each 
     finalize   F CTAs (comm.CommRank.finalize_grid), a programmatic dependent launch in W2's tail that waits for W2
                (griddepcontrol.wait) before anything else: CTA 0 first tells every rank q its rows for q landed
                (atom.add.release.sys q.RECV[g & 1]; W2 has finished); then each CTA acquires RECV[g & 1] == P
-               (bounded);
+               (bounded; compiled out at world size 1, where W2's rows are all this rank's and W2 has finished);
                y[t] = bf16(sum_j combine[t (k+S) + j] (+ shared rows), fp32, slot order =
                gcmoe_core.reference.combine_slots); the last CTA resets RECV[g & 1] for call g + 2, sets CGEN = g and
                frees INUSE. A failed call (ERR set) writes NaN rows instead, so its output is never silently wrong.
@@ -47,6 +47,11 @@ signal, which each peer issues after its dispatch of call g finished reading r's
 acquired every block its dispatch filled; its W2 and finalize follow in stream order); and a peer scatters into r's
 combine buffer for call g + 1 only after acquiring r's READY = g + 1. The receive counters alternate by parity, so
 the reset of one never races the next call's arrivals (gcmoe_comm.protocol_model checks all this).
+
+Latency: at small T each kernel is a chain of dependent round trips to L2 (or a peer), not bandwidth; wherever the
+words a thread reads do not depend on each other they are loaded together before the first is used (publish: the
+argument block beside ERR, then the last CTA's ERR / GEN / SEQ / BAD; dispatch: a peer's GEN and NTOK after its
+READY, a row's FP8 bytes, scales and weight before its stores; finalize: INUSE, ERR, GEN, OUT, NTOK).
 
 Every wait is bounded (timeout_ns, %globaltimer) and also ends when ERR is set: on expiry the waiting thread records
 (kind, rank, generation, value seen) in the rank's ERR words and the kernel skips its work; every kernel starts by
@@ -68,7 +73,6 @@ from gcmoe_core.device_ops import (
     fence_gpu,
     fence_scope,
     fence_sys,
-    ld_acquire_u32,
     ld_relaxed_u32,
     ld_u32,
     ld_u64,
@@ -166,6 +170,7 @@ class CommKernels:
         @cute.struct
         class FinalizeShared:
             peer: cute.struct.MemRange[Int64, P]
+            out: cute.struct.MemRange[Int64, 1]
             flag: cute.struct.MemRange[Int32, 4]
 
         self.dispatch_shared, self.publish_shared, self.finalize_shared = DispatchShared, PublishShared, FinalizeShared
@@ -178,18 +183,31 @@ class CommKernels:
                 speer[i] = peers[i]
 
     @cute.jit
-    def _copy_row(self, src: Int64, dst: Int64, lane: Int32):
-        """One FP8 token row (H bytes), a warp: every lane's 16-byte loads are issued before its stores (a lane past
-        the row's end re-reads the last piece and stores nothing)."""
+    def _pull_row(self, pa: Int64, own: Int64, t: Int32, j: Int32, row: Int32, xdst: Int64, lane: Int32):
+        """Ring row `row` from token t, slot j of the peer at pa, a warp: the FP8 row, its scales (into the transposed
+        ring_sxT), the routing weight and the combine row; every load is issued before the first store (one round
+        trip to the peer, not one per kind)."""
+        H, HS, K, CAP, o = self.H, self.HS, self.K, self.CAP, self.o
+        src = pa + o["pub_x"] + Int64(t) * H
         vals = []
         for c in cutlass.range_constexpr(self.LANE_CHUNKS):
-            idx = cutlass.min(lane + 32 * c, self.CHUNKS - 1)
-            vals.append(ld_v4(src + Int64(idx) * 16))
+            vals.append(ld_v4(src + Int64(cutlass.min(lane + 32 * c, self.CHUNKS - 1)) * 16))
+        scales = []
+        for c in cutlass.range_constexpr(-(-HS // 32)):
+            scales.append(ld_u32(pa + o["pub_sx"] + Int64(t * HS + cutlass.min(lane + 32 * c, HS - 1)) * 4))
+        wb = ld_u32(pa + o["pub_w"] + Int64(t * K + j) * 4)
         for c in cutlass.range_constexpr(self.LANE_CHUNKS):
             idx = lane + 32 * c
             if idx < self.CHUNKS:
                 a, b, cc, d = vals[c]
-                st_v4(dst + Int64(idx) * 16, a, b, cc, d)
+                st_v4(xdst + Int64(idx) * 16, a, b, cc, d)
+        for c in cutlass.range_constexpr(-(-HS // 32)):
+            s = lane + 32 * c
+            if s < HS:
+                st_u32(own + o["ring_sxT"] + (Int64(s) * CAP + row) * 4, scales[c])
+        if lane == 0:
+            st_u32(own + o["ring_w"] + Int64(row) * 4, wb)
+            st_u32(own + o["ring_dst"] + Int64(row) * 4, t * K + j)
 
     @cute.jit
     def _record_bad(self, own: Int64, code: Int32, t: Int32, j: Int32, value: Int32):
@@ -202,10 +220,11 @@ class CommKernels:
 
     # ---------------------------------------------------------------- ready / publish
     @cute.jit
-    def _signal_ready(self, own: Int64, ntok: Int32, out: Int64):
-        """One thread: g = ++GEN, NTOK = ntok, OUT = out, then release(sys) READY = g — unless a wait failed."""
-        if ld_u32(own + SIG_ERR * 4) == 0:
-            g = ld_u32(own + SIG_GEN * 4) + 1
+    def _signal_ready(self, own: Int64, ntok: Int32, out: Int64, err: Int32, gen: Int32):
+        """One thread: g = ++GEN, NTOK = ntok, OUT = out, then release(sys) READY = g — unless a wait failed. err,
+        gen: the ERR and GEN words, loaded by the caller (with its other loads: one round trip for all)."""
+        if err == 0:
+            g = gen + 1
             st_u32(own + SIG_GEN * 4, g)
             st_u32(own + SIG_NTOK * 4, ntok)
             st_u32(own + SIG_OUT * 4, Int32(out & 0xFFFFFFFF))
@@ -217,7 +236,9 @@ class CommKernels:
     def k_ready(self, own: Int64, ntok: Int32):
         tid, _, _ = cute.arch.thread_idx()
         if tid == 0:
-            self._signal_ready(own, ntok, Int64(0))
+            err = ld_u32(own + SIG_ERR * 4)
+            gen = ld_u32(own + SIG_GEN * 4)
+            self._signal_ready(own, ntok, Int64(0), err, gen)
 
     @cute.jit
     def ready(self, own: Int64, ntok: Int32, stream: cuda.CUstream):
@@ -253,6 +274,17 @@ class CommKernels:
         sflag = st.flag.get_tensor(cute.make_layout(4))
         sarg = st.arg.get_tensor(cute.make_layout(4))
         if tid == 0:
+            sflag[1] = ntok_arg
+            sflag[2] = ids64_arg
+            sarg[0] = x_arg
+            sarg[1] = ids_arg
+            sarg[2] = wts_arg
+            sarg[3] = out_arg
+            if slots != 0:  # the argument block the host's copy wrote just before this launch (loaded beside ERR)
+                for i in cutlass.range_constexpr(4):
+                    sarg[i] = ld_u64(slots + 8 * i)
+                sflag[1] = Int32(ld_u64(slots + 32))
+                sflag[2] = Int32(ld_u64(slots + 40))
             ok = Int32(0)
             if ld_u32(own + SIG_ERR * 4) == 0:
                 held = atom_cas_u32(own + SIG_INUSE * 4, 0, ticket, "gpu", "acq_rel")
@@ -261,17 +293,6 @@ class CommKernels:
                 else:
                     record_error(own + SIG_ERR * 4, KIND_BUSY, 0, ticket, held)
             sflag[0] = ok
-            sflag[1] = ntok_arg
-            sflag[2] = ids64_arg
-            sarg[0] = x_arg
-            sarg[1] = ids_arg
-            sarg[2] = wts_arg
-            sarg[3] = out_arg
-            if ok == 1 and slots != 0:  # the argument block the host's copy wrote just before this launch
-                for i in cutlass.range_constexpr(4):
-                    sarg[i] = ld_u64(slots + 8 * i)
-                sflag[1] = Int32(ld_u64(slots + 32))
-                sflag[2] = Int32(ld_u64(slots + 40))
         cute.arch.sync_threads()
         ntok = sflag[1]
         if sflag[0] == 1:
@@ -342,17 +363,26 @@ class CommKernels:
         if tid == 0 and sflag[0] == 1:
             fence_gpu()
             if atom_add_u32(own + SIG_PUB_DONE * 4, 1, "acq_rel", "gpu") == nctas - 1:
+                # the words read below, all loaded before any is used (one round trip, not one each)
+                err = ld_u32(own + SIG_ERR * 4)
+                gen = ld_u32(own + SIG_GEN * 4)
+                seq = Int32(0)
+                bad = [Int32(0)] * 4
+                if slots != 0:
+                    seq = ld_u32(own + SIG_SEQ * 4)
+                    if status != 0:
+                        for w in cutlass.range_constexpr(4):
+                            bad[w] = ld_u32(own + SIG_BAD * 4 + 4 * w)
                 st_u32(own + SIG_PUB_DONE * 4, 0)
                 if slots != 0:
-                    seq = ld_u32(own + SIG_SEQ * 4) + 1
-                    st_u32(own + SIG_SEQ * 4, seq)
+                    st_u32(own + SIG_SEQ * 4, seq + 1)
                     if status != 0:  # the BAD entry of this call to the host, then the SEQ it completes
                         for w in cutlass.range_constexpr(4):
-                            st_u32(status + 4 + 4 * w, ld_u32(own + SIG_BAD * 4 + 4 * w))
+                            st_u32(status + 4 + 4 * w, bad[w])
                             st_u32(own + SIG_BAD * 4 + 4 * w, 0)
                         fence_sys()
-                        st_release_u32(status, seq, "sys")
-                self._signal_ready(own, ntok, sarg[3])
+                        st_release_u32(status, seq + 1, "sys")
+                self._signal_ready(own, ntok, sarg[3], err, gen)
 
     @cute.jit
     def publish(
@@ -378,7 +408,7 @@ class CommKernels:
     @cute.kernel
     def k_dispatch(self, peers: tuple, rank: Int32, timeout_ns: Int64):
         P, TM, K, EL, REL, BM = self.P, self.TM, self.K, self.EL, self.REL, self.BM
-        H, HS, CAP, o = self.H, self.HS, self.CAP, self.o
+        H, o = self.H, self.o
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         C, _, _ = cute.arch.grid_dim()
@@ -407,12 +437,13 @@ class CommKernels:
         if failed == 0 and tid < P:
             pa = speer[tid]
             seen = wait_until_eq(pa + SIG_READY * 4, g, timeout_ns, self.SCOPE, own + SIG_ERR * 4)
+            peer_gen = ld_relaxed_u32(pa + SIG_GEN * 4, self.SCOPE)  # (both loads in flight at once)
+            sntok[tid] = ld_relaxed_u32(pa + SIG_NTOK * 4, self.SCOPE)
             if seen == g:  # READY = g beside another GEN is a forged / corrupted tag: recorded as READY, seen = GEN
-                seen = ld_relaxed_u32(pa + SIG_GEN * 4, self.SCOPE)
+                seen = peer_gen
             if seen != g:
                 record_error(own + SIG_ERR * 4, KIND_READY, tid, g, seen)
                 sflag[0] = 1
-            sntok[tid] = ld_relaxed_u32(pa + SIG_NTOK * 4, self.SCOPE)
         cute.arch.sync_threads()
         if failed == 0 and sflag[0] == 0:
             # 2. ids -> smem, counts per (src rank, ring expert); shared ids only from this rank's own tokens
@@ -534,14 +565,7 @@ class CommKernels:
                         q = ld_u32(srow)
                         t = ld_u32(srow + 4)
                         j = ld_u32(srow + 8)
-                        pa = speer[q]
-                        self._copy_row(pa + o["pub_x"] + Int64(t) * H, xdst, lane)
-                        for s in cutlass.range(lane, HS, 32, unroll=1):
-                            v = ld_u32(pa + o["pub_sx"] + Int64(t * HS + s) * 4)
-                            st_u32(own + o["ring_sxT"] + (Int64(s) * CAP + row) * 4, v)
-                        if lane == 0:
-                            st_u32(own + o["ring_w"] + Int64(row) * 4, ld_u32(pa + o["pub_w"] + Int64(t * K + j) * 4))
-                            st_u32(own + o["ring_dst"] + Int64(row) * 4, t * K + j)
+                        self._pull_row(speer[q], own, t, j, row, xdst, lane)
                     else:
                         if lane == 0:
                             st_u32(own + o["ring_dst"] + Int64(row) * 4, TM * K)  # the combine buffer's sink row
@@ -587,37 +611,55 @@ class CommKernels:
         st = SmemAllocator().allocate(self.finalize_shared)
         speer = st.peer.get_tensor(cute.make_layout(P))
         sflag = st.flag.get_tensor(cute.make_layout(4))
+        sout = st.out.get_tensor(cute.make_layout(1))
         self._stage_peers(peers, speer, tid)
         cute.arch.sync_threads()
         own = speer[rank]
         if tid == 0:
+            # every word this call's state is read from, loaded at once (one round trip): INUSE, ERR and GEN were
+            # written by this call's earlier kernels, which finished before W2 did (W1 acquired INUSE, W2 waited
+            # for W1), so relaxed gpu-scope loads see them; OUT / NTOK (the slot path) likewise, from publish
+            inuse = ld_relaxed_u32(own + SIG_INUSE * 4, "gpu")
+            err = ld_relaxed_u32(own + SIG_ERR * 4, "gpu")
+            gen = ld_relaxed_u32(own + SIG_GEN * 4, "gpu")
+            out_lo = Int32(0)
+            out_hi = Int32(0)
+            if out_arg == 0:
+                out_lo = ld_relaxed_u32(own + SIG_OUT * 4, "gpu")
+                out_hi = ld_relaxed_u32(own + SIG_OUT * 4 + 4, "gpu")
+            ntok = ntok_arg
+            if ntok_arg < 0:
+                ntok = ld_relaxed_u32(own + SIG_NTOK * 4, "gpu")
             mine = Int32(0)
-            if ld_acquire_u32(own + SIG_INUSE * 4, "gpu") == ticket:
+            if inuse == ticket:
                 mine = Int32(1)
             sflag[0] = Int32(0)
-            if mine == 1 and ld_u32(own + SIG_ERR * 4) == 0:
+            if mine == 1 and err == 0:
                 sflag[0] = Int32(1)
             sflag[1] = mine
+            sflag[2] = gen
+            sflag[3] = ntok
+            sout[0] = Int64(out_lo) & 0xFFFFFFFF | (Int64(out_hi) << 32)
         cute.arch.sync_threads()
-        g = ld_u32(own + SIG_GEN * 4)
+        g = sflag[2]
         par = g & 1
-        if sflag[0] == 1:
-            if cta == 0 and tid < P:  # combined: my W2 rows for every rank have landed (its launch has finished)
-                fence_scope(self.SCOPE)
-                atom_add_u32(speer[tid] + (SIG_RECV + par) * 4, 1, "release", self.SCOPE)
-            if tid == 0:
-                seen = wait_until_eq(own + (SIG_RECV + par) * 4, P, timeout_ns, self.SCOPE, own + SIG_ERR * 4)
-                if seen != P:
-                    record_error(own + SIG_ERR * 4, KIND_RECV, rank, g, seen)
-                    sflag[0] = 0
-        cute.arch.sync_threads()
+        if cutlass.const_expr(P > 1):  # (world size 1: W2's rows are all this rank's, and W2 has finished)
+            if sflag[0] == 1:
+                if cta == 0 and tid < P:  # combined: my W2 rows for every rank have landed (its launch has finished)
+                    fence_scope(self.SCOPE)
+                    atom_add_u32(speer[tid] + (SIG_RECV + par) * 4, 1, "release", self.SCOPE)
+                if tid == 0:
+                    seen = wait_until_eq(own + (SIG_RECV + par) * 4, P, timeout_ns, self.SCOPE, own + SIG_ERR * 4)
+                    if seen != P:
+                        record_error(own + SIG_ERR * 4, KIND_RECV, rank, g, seen)
+                        sflag[0] = 0
+            cute.arch.sync_threads()
         out = out_arg
         t_count = ntok_arg
         if sflag[1] == 1:
             if out == 0:
-                out = Int64(ld_u32(own + SIG_OUT * 4)) & 0xFFFFFFFF | (Int64(ld_u32(own + SIG_OUT * 4 + 4)) << 32)
-            if t_count < 0:
-                t_count = ld_u32(own + SIG_NTOK * 4)
+                out = sout[0]
+            t_count = sflag[3]
         per_tok = H // 8
         comb = own + self.o["combine"]
         if sflag[0] == 1:
@@ -651,7 +693,8 @@ class CommKernels:
                 fence_gpu()
                 if atom_add_u32(own + SIG_DONE * 4, 1, "acq_rel", "gpu") == F - 1:
                     st_u32(own + SIG_DONE * 4, 0)
-                    st_release_u32(own + (SIG_RECV + par) * 4, 0, self.SCOPE)
+                    if cutlass.const_expr(P > 1):
+                        st_release_u32(own + (SIG_RECV + par) * 4, 0, self.SCOPE)
                     st_u32(own + SIG_CGEN * 4, g)
                     fence_gpu()
                     st_release_u32(own + SIG_INUSE * 4, 0, "gpu")

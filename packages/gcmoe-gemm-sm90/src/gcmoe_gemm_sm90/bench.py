@@ -116,7 +116,7 @@ def variant_config(name: str, kcfg, hidden: int, inter: int):
         if n == kcfg.n_tile:
             return None
         occ, wgs = tile_shape(n)
-        c = dataclasses.replace(kcfg, n_tile=n, occupancy=occ, warpgroups=wgs, smem_scales=n >= 16)
+        c = dataclasses.replace(kcfg, n_tile=n, occupancy=occ, warpgroups=wgs)
         return with_splits(c, kcfg.splits, hidden, inter)
     raise ValueError(f"unknown variant {name!r}: one of {VARIANTS}")
 

@@ -6,8 +6,6 @@ stages     shared-memory stages of the TMA pipeline, one 128-K window each: the 
            weights and 1 KB of scale records, all arriving by TMA / bulk copy on the stage's mbarrier
 prefetch   windows decoded per loop iteration (1, 2 or 4); divides K/128
 occupancy  CTAs per SM the register budget is sized for (1: up to 255 registers, 2: up to 128)
-smem_scales  stage each N tile's activation scales (all windows) in shared memory once, instead of a global load per
-           window inside the mainloop (4-5 % faster at N 16, 2-4 % slower at N 8: chosen per N tile)
 overlap    decode subtile 1 of a window while subtile 0's WGMMAs run (False: decode both, then issue all 8)
 pdl        programmatic dependent launch: W2's CTAs start in W1's tail and stream their first weight stages before
            waiting for W1 (griddepcontrol); W1 waits for its producer before reading anything
@@ -44,7 +42,12 @@ bias       W1 adds b13 (fp32 [E, 2I], gate then up entries) to gate and up befor
            epilogue flags): the kernels compile to the code without them
 
 Measured and removed (git history and docs/benchmarks keep them): the v4 register weight stream, three CTAs per SM,
-the decode's shifts on the FMA pipe, the stage ablations and per-CTA trace stamps (sm90-grouped-v5 .. v7 records).
+the decode's shifts on the FMA pipe, the stage ablations and per-CTA trace stamps (sm90-grouped-v5 .. v7 records);
+the activation scales loaded from global memory per window (smem_scales=False): each N tile's scales of every window
+are always staged in shared memory once, 4-5 % faster at n_tile 16, 1-3 % at 32 (sm90-grouped-v3); at n_tile 8
+measured 2-4 % slower then, but on today's kernel the per-window global load of the scales was the promote's top
+stall (ncu source counters) and staging them made the layer 1.01-1.09x faster at T = 1, 2, 8 (DeepSeek-V3 /
+V4-Flash, H200, 2026-12-01, `tools/gpu/split_sweep.py --sweep scales` at commit 5561605, removed with the path).
 """
 
 from __future__ import annotations
@@ -72,7 +75,6 @@ class Sm90Config:
     stages: int = 4
     prefetch: int = 2
     occupancy: int = 1
-    smem_scales: bool = True
     splits: tuple[int, int] = (1, 1)
     overlap: bool = True
     pdl: bool = True
@@ -120,7 +122,7 @@ def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1) -> int:
     n, nw = cfg.n_tile, k // WINDOW_K
     stage = n * WINDOW_K + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES
     red = 4 * n * 4 * cfg.warpgroups  # the W1 epilogue's per-warp amax
-    fixed = 16 * cfg.stages + 128 + 16 + red + (4 * nw * n if cfg.smem_scales else 4) + 1024 + 128 + 16
+    fixed = 16 * cfg.stages + 128 + 16 + red + 4 * nw * n + 1024 + 128 + 16
     fixed += 4 * 5 * 8 if cfg.stream_k else 4  # stream_k's table of a CTA's first 8 tiles
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)
 
@@ -148,10 +150,6 @@ def choose_config(
     n_tile = n_tile_for(expected)
     occupancy, warpgroups = tile_shape(n_tile)
     prefetch = 2 if (hidden // WINDOW_K) % 2 == 0 and (inter // WINDOW_K) % 2 == 0 else 1  # windows per loop step
-    # shared-memory activation scales at every N tile: 4-5 % faster at n_tile 16, 1-3 % at 32 (sm90-grouped-v3); at
-    # n_tile 8 measured 2-4 % slower then, but on today's kernel the per-window global load of the scales was the
-    # promote's top stall (ncu source counters) and staging them made the layer 1.01-1.09x faster at T = 1, 2, 8
-    # (DeepSeek-V3 / V4-Flash, H200, 2026-12-01, tools/gpu/split_sweep.py --sweep scales)
     # experts with at least one row under uniform routing, and each kernel's tiles against the SM slots
     # (a token's top-k are k distinct experts: one token makes exactly k active)
     active = num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** tokens_per_rank)
@@ -161,7 +159,6 @@ def choose_config(
         prefetch=prefetch,
         occupancy=occupancy,
         warpgroups=warpgroups,
-        smem_scales=True,
         active_first=active < ACTIVE_FIRST_BELOW * num_experts,
     )
     # K splits (measured on the whole layer, shared expert included, H200, 2026-11-30, tools/gpu/split_sweep.py,

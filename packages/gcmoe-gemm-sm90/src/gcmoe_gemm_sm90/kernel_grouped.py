@@ -28,7 +28,8 @@ Every thread reads its own weight fragments from the stage with 16-byte shared l
 in registers (decode_ptx: split-sign layout, per-group LUT from shared memory) and issues m64nNk32 WGMMAs with A from
 registers and B (tokens) from the stage. Each window's WGMMAs accumulate into a window
 accumulator that is then promoted into the main accumulator with the window's weight base scale and the tokens'
-activation scales (two-level FP32 accumulation).
+activation scales (two-level FP32 accumulation; the N tile's scales of every window are staged in shared memory once,
+before its window loop).
 
 Per window: one unconditional wait_group(0) for the previous window, release + refill, promote; decode subtile 0, its
 WGMMAs; decode subtile 1 while those run (overlap), its WGMMAs. ptxas serialises every WGMMA (a wait after each) if a
@@ -212,7 +213,7 @@ class GroupedGemmSm90:
             lut: cute.struct.MemRange[Int32, 32]
             flag: cute.struct.MemRange[Int32, 8]
             red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
-            ssx: cute.struct.MemRange[Float32, self.windows * self.n if self.cfg.smem_scales else 1]
+            ssx: cute.struct.MemRange[Float32, self.windows * self.n]
             # stream_k: the CTA's first SK_TABLE tiles (window record base, first row, expert, N tile, M tile)
             skt: cute.struct.MemRange[Int32, SK_TABLE * 5 if self.stream_k else 1]
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
@@ -294,7 +295,7 @@ class GroupedGemmSm90:
         slut = st.lut.get_tensor(cute.make_layout(32))
         sflag = st.flag.get_tensor(cute.make_layout(8))
         sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]
-        ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1)) if self.cfg.smem_scales else cute.make_layout(1)
+        ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1))
         ssx = st.ssx.get_tensor(ssx_layout)  # [window, token column] of the current N tile
         sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         skt = st.skt.get_tensor(cute.make_layout((5, SK_TABLE if self.stream_k else 1)))
@@ -400,7 +401,6 @@ class GroupedGemmSm90:
         accw1 = cute.make_rmem_tensor(c_shape, Float32)
         acc0 = cute.make_rmem_tensor(c_shape, Float32)
         acc1 = cute.make_rmem_tensor(c_shape, Float32)
-        ncol = n_tile // 4  # token columns per thread: 2 t0 + v0 + 8 q
         nacc = self.subs * cute.size(c_shape)  # accumulators per thread
         part_layout = cute.make_layout(
             (max(1, self.splits - 1), nacc, self.threads), stride=(nacc * self.threads, self.threads, 1)
@@ -410,7 +410,6 @@ class GroupedGemmSm90:
         abuf = cute.make_rmem_tensor((4, 2, 2, depth), Int32)
         sbuf = cute.make_rmem_tensor((2, 2, depth), Int32)
         rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales [row u, sub] of the window in flight
-        sx = cute.make_rmem_tensor(ncol, Float32)  # (without smem_scales) its activation scales per token column
 
         srow0 = 128 * wg + 16 * wwarp + g  # CTA row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
         # bulk-copy bases: the window records in global memory, the stages in shared memory
@@ -465,21 +464,20 @@ class GroupedGemmSm90:
             acc0.fill(0.0)
             acc1.fill(0.0)
             col_base = pnt * n_tile
-            if cutlass.const_expr(self.cfg.smem_scales):
-                # the tile's activation scales, every window, into shared memory once: no global-load latency
-                # inside the window loop (the previous tile's readers are past the first barrier); columns past the
-                # expert's rows read nothing (they may lie past the end of the rows)
-                cute.arch.barrier()
-                for r in cutlass.range_constexpr(-(-nw * n_tile // self.threads)):
-                    i = tidx + self.threads * r
-                    if i < nw * n_tile:
-                        wi = i // n_tile
-                        c = i - wi * n_tile
-                        v = Float32(0.0)
-                        if col_base + c < pcount:
-                            v = sxT[w_lo + wi, prow + col_base + c]
-                        ssx[wi, c] = v
-                cute.arch.barrier()
+            # the tile's activation scales, every window, into shared memory once: no global-load latency inside the
+            # window loop (the previous tile's readers are past the first barrier); columns past the expert's rows read
+            # nothing (they may lie past the end of the rows)
+            cute.arch.barrier()
+            for r in cutlass.range_constexpr(-(-nw * n_tile // self.threads)):
+                i = tidx + self.threads * r
+                if i < nw * n_tile:
+                    wi = i // n_tile
+                    c = i - wi * n_tile
+                    v = Float32(0.0)
+                    if col_base + c < pcount:
+                        v = sxT[w_lo + wi, prow + col_base + c]
+                    ssx[wi, c] = v
+            cute.arch.barrier()
             # per window w: wait for window w - 1's WGMMAs, release its stage, refill, promote it; decode subtile 0 of
             # w, issue its WGMMAs; decode subtile 1 while they run (cfg.overlap; else before them), issue its WGMMAs
             # (two commit groups). The wait is unconditional and waits for all before any accumulator is read or
@@ -498,17 +496,9 @@ class GroupedGemmSm90:
                                 self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                                 prod.advance()
                                 issued += 1
-                        self.promote(acc0, accw0, rs, sx, ssx, w - 1, t0, 0)
+                        self.promote(acc0, accw0, rs, ssx, w - 1, t0, 0)
                         if cutlass.const_expr(self.subs == 2):
-                            self.promote(acc1, accw1, rs, sx, ssx, w - 1, t0, 1)
-                    if cutlass.const_expr(not self.cfg.smem_scales):
-                        # activation scales of this window's token columns (a global load per window)
-                        for c in cutlass.range_constexpr(ncol):
-                            col = 2 * t0 + (c % 2) + 8 * (c // 2)
-                            v = Float32(0.0)
-                            if col_base + col < pcount:
-                                v = sxT[w_lo + w, prow + col_base + col]
-                            sx[c] = v
+                            self.promote(acc1, accw1, rs, ssx, w - 1, t0, 1)
                     pipe.consumer_wait(cons)
                     self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, j)
                     self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
@@ -535,9 +525,9 @@ class GroupedGemmSm90:
                     self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                     prod.advance()
                     issued += 1
-            self.promote(acc0, accw0, rs, sx, ssx, wb - 1, t0, 0)
+            self.promote(acc0, accw0, rs, ssx, wb - 1, t0, 0)
             if cutlass.const_expr(self.subs == 2):
-                self.promote(acc1, accw1, rs, sx, ssx, wb - 1, t0, 1)
+                self.promote(acc1, accw1, rs, ssx, wb - 1, t0, 1)
             if cutlass.const_expr(self.splits > 1):
                 self.reduce_splits(acc0, acc1, st.part.data_ptr().toint(), st.part.get_tensor(part_layout), ks, tidx)
             finish = Int32(0)
@@ -1002,21 +992,15 @@ class GroupedGemmSm90:
         acc: cute.Tensor,
         accw: cute.Tensor,
         rs: cute.Tensor,
-        sx: cute.Tensor,
         ssx: cute.Tensor,
         w: Int32,
         t0: Int32,
         s: cutlass.Constexpr,
     ):
-        """acc += accw * 2^base[row] * sx[token] for window w, subtile s (token scales from shared memory, or
-        registers without smem_scales)."""
+        """acc += accw * 2^base[row] * sx[token] for window w, subtile s (token scales from shared memory: ssx)."""
         for i in cutlass.range_constexpr(cute.size(acc)):
             v0, v1, q = i % 2, (i // 2) % 2, i // 4
-            if cutlass.const_expr(self.cfg.smem_scales):
-                tok_scale = ssx[w, 2 * t0 + v0 + 8 * q]
-            else:
-                tok_scale = sx[v0 + 2 * q]
-            acc[i] = acc[i] + accw[i] * (rs[v1, s] * tok_scale)
+            acc[i] = acc[i] + accw[i] * (rs[v1, s] * ssx[w, 2 * t0 + v0 + 8 * q])
 
     @cute.jit
     def epilogue_w1(
