@@ -4,6 +4,7 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep splits       other (W1, W2) K splits (at small T; each with expert_sync where its W1 is unsplit)
     --sweep expert_sync  W2 per expert after its W1 tiles (W1_DONE tags) vs after the whole W1 grid
     --sweep stream_k     the chosen config vs W1 unsplit vs W1 stream_k (equal window ranges per CTA slot)
+    --sweep first        the shared experts' grid rows first (the default) vs every ring expert in expert order
     --sweep grid         W1 / W2 grid rows bounded by the experts that can have rows (the default at world size 1 with
                          active-first rows) vs one row per ring expert; and 4 warpgroups at N tiles <= 24
 
@@ -25,7 +26,7 @@ from gcmoe_gemm_sm90.config import can_implement, with_splits
 from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--sweep", choices=("splits", "expert_sync", "stream_k", "grid"), default="splits")
+ap.add_argument("--sweep", choices=("splits", "expert_sync", "stream_k", "grid", "first"), default="splits")
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
 ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2])
@@ -51,6 +52,8 @@ for model in args.models:
         elif args.sweep == "stream_k":
             unsplit = with_splits(replace(chosen, stream_k=False), (1, chosen.splits[1]), h, i)
             variants = {"chosen": chosen, "w1_unsplit": unsplit, "stream_k": replace(unsplit, stream_k=True)}
+        elif args.sweep == "first":
+            variants = {"chosen": chosen, "shared_last": chosen}
         elif args.sweep == "grid":
             variants = {"chosen": chosen, "full_grid": chosen}
             if chosen.n_tile <= 24:
@@ -65,8 +68,11 @@ for model in args.models:
             if any(can_implement(m, k, 1, kcfg, splits=s) for (m, k), s in zip(((2 * i, h), (h, i)), sp)):
                 continue
             layer = gcmoe.MoELayer(cfg, "cuda", "sm90", kernel_config=kcfg).load(weights)
-            if name == "full_grid":  # one grid row per ring expert (before the first call captures anything)
-                layer.packed.plan.grid_rows = lambda bucket, kcfg: None
+            plan = layer.packed.plan  # (its grid patched before the first call captures anything)
+            if name == "full_grid":  # one grid row per ring expert
+                plan.grid_rows = lambda bucket, kcfg: None
+            if name == "shared_last":  # grid rows in expert order: the shared experts (the last ring experts) last
+                plan.first_row_expert = lambda: 0
             layers.append(layer)
             fn = lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w)
             graphs[name], outs[name] = capture_graph(fn, warmup=2, stream=torch.cuda.Stream())

@@ -157,9 +157,10 @@ def test_graph_replays_bitwise_identical_with_new_routing(splits, stream_k):
 
 @pytest.mark.parametrize("routing", ["one_expert", "half_empty", "uniform"])
 @pytest.mark.parametrize("splits", [(1, 1), (2, 2)], ids=["no-splits", "k-splits"])
-def test_bounded_grid_rows_give_the_full_grids_bits(routing, splits):
-    """W1 / W2 with active-first grid rows bounded by the experts that have rows (exactly those, and one more) store
-    the same bits as the full grid (one row per expert), on poisoned outputs."""
+def test_bounded_and_rotated_grid_rows_give_the_full_grids_bits(routing, splits):
+    """W1 / W2 with active-first grid rows bounded by the experts that have rows (exactly those, and one more) and
+    rotated (the first row's expert not 0), and in-order rows rotated, store the same bits as the full grid in expert
+    order, on poisoned outputs."""
     from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
 
     cfg = Sm90Config(n_tile=8, stages=3, prefetch=1, splits=splits)  # (active_first is the default)
@@ -171,21 +172,24 @@ def test_bounded_grid_rows_give_the_full_grids_bits(routing, splits):
     active = int((layout.counts > 0).sum())
     assert active < SMALL.num_experts
     src = torch.zeros(layout.rows, 3, dtype=torch.int32, device="cuda")
+    e = SMALL.num_experts
+    in_order = replace(cfg, active_first=False)
+    grids = [(cfg, None, 0), (cfg, active, 0), (cfg, active + 1, 0), (cfg, active, e - 1), (cfg, None, 3)]
+    grids += [(in_order, None, 0), (in_order, None, e - 3)]
     results = []
-    for rows in (None, active, active + 1):
+    for c, rows, first in grids:
         hq = torch.full((layout.rows, SMALL.intermediate_size), 0xFF, dtype=torch.uint8, device="cuda")
         hsT = torch.full((2 * SMALL.intermediate_size // 256, layout.rows), float("nan"), device="cuda")
-        launch_w1(
-            moe.w13, acts.x_rows, acts.sxT, acts.route_w, layout.offsets, layout.counts, hq, hsT, cfg, grid_rows=rows
-        )
+        grid = dict(grid_rows=rows, first_expert=first)
+        launch_w1(moe.w13, acts.x_rows, acts.sxT, acts.route_w, layout.offsets, layout.counts, hq, hsT, c, **grid)
         out = torch.full((ids.numel(), SMALL.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
         comb = torch.full((1,), out.data_ptr(), dtype=torch.int64, device="cuda")
-        launch_w2(moe.w2, hq, hsT, layout.offsets, layout.counts, layout.src_slot, src, comb, cfg, grid_rows=rows)
+        launch_w2(moe.w2, hq, hsT, layout.offsets, layout.counts, layout.src_slot, src, comb, c, **grid)
         torch.cuda.synchronize()
         results.append(out)
     assert not results[0].isnan().any(), "unwritten output rows"
-    for out in results[1:]:
-        assert first_mismatch(out, results[0]) == ""
+    for (c, rows, first), out in zip(grids[1:], results[1:]):
+        assert first_mismatch(out, results[0]) == "", (c.active_first, rows, first)
 
 
 # ------------------------------------------------------------------------------------------------ ring mode

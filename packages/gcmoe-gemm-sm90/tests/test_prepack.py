@@ -222,6 +222,7 @@ def test_launch_argument_checks_raise_before_any_launch(monkeypatch):
         "activation rows": [dict(hq=torch.zeros(r, 2 * i, dtype=torch.uint8))],  # W2's K is I, not 2 I
         "RingSync goes with cfg.ring": [dict(ring=ring), dict(cfg=replace(cfg, ring=True))],
         "grid_rows": [dict(grid_rows=-1), dict(grid_rows=3, cfg=replace(cfg, active_first=False))],
+        "first_expert": [dict(first_expert=-1), dict(first_expert=SMALL.num_experts)],
     }
     for match, cases in w2_cases.items():
         for kw in cases:
@@ -237,6 +238,7 @@ def test_launch_argument_checks_raise_before_any_launch(monkeypatch):
         lambda: run_w2(),
         lambda: run_w1(cfg=replace(cfg, ring=True), ring=ring),
         lambda: run_w1(grid_rows=2),
+        lambda: run_w1(first_expert=SMALL.num_experts - 1),
         lambda: run_w2(grid_rows=SMALL.num_experts, cfg=replace(cfg, active_first=False)),
         lambda: run_w2(cfg=replace(cfg, ring=True), ring=ring),
         lambda: w1(moe.w13, acts, lay, cfg),

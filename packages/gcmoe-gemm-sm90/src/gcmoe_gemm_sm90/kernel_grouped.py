@@ -78,6 +78,11 @@ world-size-1 layer: its bucket x top_k routed + the shared experts), so the CTAs
 token per rank they were 80 % of the grid, and where W1 runs K-split clusters that fill the SM slots they queued
 behind the working CTAs to the end of W1, holding back W2's programmatic launch (the layer 1.11x faster for
 DeepSeek-V4-Flash at T = 1, 1.04x for DeepSeek-V3 at T = 2; H200, 2026-12-01).
+first (rotation): grid row y runs expert first + y (mod E), and active-first rows count the experts with rows in
+that order, so the experts the caller expects to take longest launch first: the layer puts its shared experts
+(every token of the rank: more N tiles than any routed expert from T = 16 on) at row 0, where they used to launch
+last and run their N-tile passes after all others had finished (the layer 1.04-1.21x faster at T = 32-256; H200,
+2026-12-01, docs/benchmarks/layer-h200-2026-12-01.md).
 stream_k (W1): grid [ctas] (two per SM); the tiles of every expert with rows (experts ascending, N tiles, M tiles:
 locate_tile) times their windows in units of `prefetch` windows, split in equal ranges over the CTAs; a CTA's
 pieces are the tiles its range touches (the first SK_TABLE kept in shared memory); a piece with only part of a tile's
@@ -185,6 +190,7 @@ class GroupedGemmSm90:
         timeout_ns: Int64,
         num_experts: Int32,
         ctas: Int32,
+        first: Int32,
         stream: cuda.CUstream,
     ):
         f8 = cutlass.Float8E4M3FN
@@ -240,6 +246,7 @@ class GroupedGemmSm90:
             ticket,
             timeout_ns,
             num_experts,
+            first,
             tiled_mma,
             b_smem_staged,
         ).launch(
@@ -272,6 +279,7 @@ class GroupedGemmSm90:
         ticket: Int32,
         timeout_ns: Int64,
         num_experts: Int32,
+        first: Int32,
         tiled_mma: cute.TiledMma,
         b_smem_staged: cute.ComposedLayout,
     ):
@@ -340,11 +348,11 @@ class GroupedGemmSm90:
         else:
             # grid row ey runs the ey-th expert with rows: the CTAs of empty experts come last in launch order, after
             # every CTA with work (W2: the counts were written before W1, which let W2 launch only after its acquire)
-            e_found = ey  # (cfg.active_first off: grid row y runs expert y)
+            e_found = (ey + first) % num_experts  # (cfg.active_first off: grid row y runs expert first + y)
             if ok == 0:
                 e_found = Int32(-1)
             elif cutlass.const_expr(self.cfg.active_first):
-                e_found = self.active_expert(cnt, ey, num_experts, lane)
+                e_found = self.active_expert(cnt, ey, num_experts, first, lane)
             e = cutlass.max(e_found, 0)
             if e_found >= 0:
                 count = cnt[e]
@@ -666,20 +674,21 @@ class GroupedGemmSm90:
         cute.arch.fence_proxy("async.global")
 
     @cute.jit
-    def active_expert(self, cnt: cute.Tensor, j: Int32, num_experts: Int32, lane: Int32) -> Int32:
-        """The j-th (from 0, ascending) expert with rows, or -1 where fewer than j + 1 have rows. Every warp computes
-        it on its own: a ballot over the counts of 32 experts per step."""
+    def active_expert(self, cnt: cute.Tensor, j: Int32, num_experts: Int32, first: Int32, lane: Int32) -> Int32:
+        """The j-th (from 0) expert with rows in the order first, first + 1, ..., E - 1, 0, ..., first - 1, or -1
+        where fewer than j + 1 have rows. Every warp computes it on its own: a ballot over the counts of 32 experts
+        per step."""
         found = Int32(-1)
         seen = Int32(0)
         for base in cutlass.range(0, num_experts, 32, unroll=1):
             c = Int32(0)
             if base + lane < num_experts:
-                c = cnt[base + lane]
+                c = cnt[(base + lane + first) % num_experts]
             active = cute.arch.vote_ballot_sync(c > 0)
             below = Int32(cute.arch.popc(active & cute.arch.lanemask_lt()))
             hit = cute.arch.vote_ballot_sync((c > 0) & (seen + below == j))
             if hit != 0:
-                found = base + 31 - Int32(cute.arch.clz(hit))
+                found = (base + 31 - Int32(cute.arch.clz(hit)) + first) % num_experts
             seen = seen + Int32(cute.arch.popc(active))
         return found
 
@@ -1179,6 +1188,7 @@ def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
         Int64(0),
         Int32(1),
         Int32(1),
+        Int32(0),
         crt.make_fake_stream(),
         arch=arch,
         name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}{'_ring' if cfg.ring else ''}{'_sk' if cfg.stream_k else ''}"

@@ -96,10 +96,11 @@ def _launch(
     sk_ctas: int | None = None,
     extra: tuple[torch.Tensor, ...] = (),
     grid_rows: int | None = None,
+    first_expert: int = 0,
 ):
     """extra: the epilogue's fp32 operands whose addresses follow the signal words (cfg.bias: W1 b13; W2 b2,
     route_w), checked by the caller. grid_rows: a bound on the experts with rows (cfg.active_first only; default:
-    every expert), see kernel_grouped (Grid)."""
+    every expert); first_expert: the expert of the first grid row (the rows rotate), see kernel_grouped (Grid)."""
     import cuda.bindings.driver as cuda
 
     from gcmoe_core.cutedsl import cutlass_modules, target_arch
@@ -130,6 +131,8 @@ def _launch(
         grid_rows = e
     elif not 1 <= grid_rows <= e or (grid_rows < e and not cfg.active_first):
         raise ValueError(f"sm90 {mode}: grid_rows = {grid_rows} must be in 1..{e} (below {e} only with active_first)")
+    if not 0 <= first_expert < e:
+        raise ValueError(f"sm90 {mode}: first_expert = {first_expert} must be in 0..{e - 1}")
     sk = (scratch.partials.data_ptr(), scratch.counters.data_ptr()) if stream_k else (0, 0)
     if ring is None:
         sig, ticket, timeout = tuple(i64(a) for a in (0, 0, 0, 0, 0, 0, *sk)), 0, 0
@@ -155,6 +158,7 @@ def _launch(
         i64(timeout),
         e,
         sk_ctas if stream_k else grid_rows,
+        first_expert,
         cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
     )
 
@@ -174,18 +178,19 @@ def launch_w1(
     sk_ctas: int | None = None,
     bias: torch.Tensor | None = None,
     grid_rows: int | None = None,
+    first_expert: int = 0,
 ) -> None:
     """W1 on expert-sorted rows: x_rows uint8 [R, H] (FP8 bits), sxT fp32 [H/128, R], route_w fp32 [R], offsets
     int32 [E + 1] (multiples of 8), counts int32 [E] -> hq uint8 [R, I] (FP8 bits), hsT fp32 [I/128, R].
     cfg.stream_k: scratch (StreamKScratch) is required; sk_ctas CTAs (default: the scratch's, two per SM) share the
     windows (two per SM of the partition it runs on). cfg.bias: bias = b13 fp32 [E, 2I] (gate then up entries).
-    grid_rows: a bound on the experts with rows (see _launch)."""
+    grid_rows, first_expert: the grid's rows (see _launch)."""
     rows, inter = x_rows.shape[0], packed.m // 2
     if hq.shape != (rows, inter) or hq.dtype != torch.uint8 or hsT.shape != (packed.m // TILE_M, rows):
         raise ValueError(f"sm90 w1: hq / hsT must be uint8 [{rows}, {inter}] / fp32 [{packed.m // TILE_M}, {rows}]")
     extra = _epilogue_operands("w1", cfg, ((bias, "bias", (packed.experts, packed.m)),), x_rows.device)
     ep = (as_cute(route_w, 0, 4), as_cute(hq, 0, 16), as_cute(hsT, 1, 4))
-    _launch("w1", packed, x_rows, sxT, offsets, counts, ep, cfg, ring, scratch, sk_ctas, extra, grid_rows)
+    _launch("w1", packed, x_rows, sxT, offsets, counts, ep, cfg, ring, scratch, sk_ctas, extra, grid_rows, first_expert)
 
 
 def launch_w2(
@@ -202,17 +207,31 @@ def launch_w2(
     route_w: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     grid_rows: int | None = None,
+    first_expert: int = 0,
 ) -> None:
     """W2: row i's bf16 output [H] goes to row dst[i] of rank src[i, 0]'s output buffer, whose address is comb[rank]
     (int64 [P]: the combine buffers of every rank, or one local output). cfg.bias: + route_w[i] * bias[e] before
-    the store (route_w fp32 [R]: W1's routing weights of the same rows; bias = b2 fp32 [E, H]). grid_rows: a bound on
-    the experts with rows (see _launch)."""
+    the store (route_w fp32 [R]: W1's routing weights of the same rows; bias = b2 fp32 [E, H]). grid_rows,
+    first_expert: the grid's rows (see _launch)."""
     if src.dim() != 2 or src.shape[1] != 3 or comb.dtype != torch.int64 or dst.dtype != torch.int32:
         raise ValueError("sm90 w2: dst int32 [R], src int32 [R, 3], comb int64 [P]")
     operands = ((bias, "bias", (packed.experts, packed.m)), (route_w, "route_w", (hq.shape[0],)))
     extra = _epilogue_operands("w2", cfg, operands, hq.device)
     ep = (as_cute(dst, 0, 4), as_cute(src, 0, 4), as_cute(comb, 0, 8))
-    _launch("w2", packed, hq, hsT, offsets, counts, ep, cfg, ring, extra=extra, grid_rows=grid_rows)
+    _launch(
+        "w2",
+        packed,
+        hq,
+        hsT,
+        offsets,
+        counts,
+        ep,
+        cfg,
+        ring,
+        extra=extra,
+        grid_rows=grid_rows,
+        first_expert=first_expert,
+    )
 
 
 def _epilogue_operands(mode: str, cfg: Sm90Config, operands, device) -> tuple[torch.Tensor, ...]:
