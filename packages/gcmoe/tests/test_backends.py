@@ -106,3 +106,53 @@ def test_sm103_refuses_the_clamped_activation_and_biases_also_emulated():
             weights = dataclasses.replace(weights, w13_bias=torch.randn(e, 2 * i), w2_bias=torch.randn(e, h))
         with pytest.raises(ValueError, match="sm103 kernels' epilogue is plain SwiGLU"):
             gcmoe.MoELayer(cfg, "cpu", "sm103", emulate=True).load(weights)
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3", "deepseek-v4-flash", "tiny"])
+def test_sm90_grid_rows_bound_every_ring_layout_and_lead_with_the_shared_experts(model):
+    """The sm90 plan's W1 / W2 grid (pure Python, no GPU: the methods on a stand-in plan): at world size 1 with
+    active-first rows the routed experts with rows of any call of up to `bucket` tokens — random, skewed and
+    all-distinct routings through the ring's own dispatch model — never exceed grid_rows (a smaller grid would leave
+    an expert uncomputed); with P ranks, or rows in expert order, there is no bound; the first row runs the first
+    shared ring expert (the one with the most N tiles), expert 0 without shared experts."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from gcmoe.backends.sm90 import Sm90Plan, ring_spec
+    from gcmoe_comm.ring import dispatch_emulated
+    from gcmoe_gemm_sm90.config import Sm90Config
+
+    if model == "tiny":
+        cfg = MoEConfig(256, 128, 16, 4, num_shared_experts=0, max_tokens_per_rank=16)
+    else:
+        cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=16)
+    spec = ring_spec(cfg)
+    plan = SimpleNamespace(spec=spec)
+    first = Sm90Plan.first_row_expert(plan)
+    assert first == (spec.local_experts if spec.shared else 0)
+    assert spec.shared == 0 or first == spec.ring_experts - spec.shared  # the shared experts are the last ring experts
+    kcfg = Sm90Config(n_tile=8, active_first=True)
+    assert Sm90Plan.grid_rows(plan, 4, replace(kcfg, active_first=False)) is None
+    assert Sm90Plan.grid_rows(SimpleNamespace(spec=replace(spec, ranks=2)), 4, kcfg) is None
+    g = torch.Generator().manual_seed(7)
+    for bucket in (1, 2, 4, 8, 16):
+        rows = Sm90Plan.grid_rows(plan, bucket, kcfg)
+        assert spec.shared < rows <= spec.ring_experts
+        for t in {1, bucket // 2 + 1, bucket}:
+            e = cfg.num_experts
+            picks = [
+                torch.stack([torch.randperm(e, generator=g)[: cfg.top_k] for _ in range(t)]),  # random, distinct
+                torch.arange(t * cfg.top_k).remainder(e).view(t, cfg.top_k),  # as many distinct experts as can be
+                torch.arange(cfg.top_k).expand(t, cfg.top_k),  # every token on the same experts
+            ]
+            for ids in picks:
+                ids = ids.to(torch.int32)
+                ring = dispatch_emulated(
+                    spec,
+                    0,
+                    [ids],
+                    [torch.rand(t, cfg.top_k, generator=g)],
+                    [torch.randn(t, cfg.hidden_size, generator=g).bfloat16()],
+                )
+                with_rows = int((ring.counts > 0).sum())
+                assert with_rows <= rows, (bucket, t, with_rows, rows)
