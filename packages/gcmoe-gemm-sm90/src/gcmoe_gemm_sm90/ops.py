@@ -218,20 +218,7 @@ def launch_w2(
     operands = ((bias, "bias", (packed.experts, packed.m)), (route_w, "route_w", (hq.shape[0],)))
     extra = _epilogue_operands("w2", cfg, operands, hq.device)
     ep = (as_cute(dst, 0, 4), as_cute(src, 0, 4), as_cute(comb, 0, 8))
-    _launch(
-        "w2",
-        packed,
-        hq,
-        hsT,
-        offsets,
-        counts,
-        ep,
-        cfg,
-        ring,
-        extra=extra,
-        grid_rows=grid_rows,
-        first_expert=first_expert,
-    )
+    _launch("w2", packed, hq, hsT, offsets, counts, ep, cfg, ring, None, None, extra, grid_rows, first_expert)
 
 
 def _epilogue_operands(mode: str, cfg: Sm90Config, operands, device) -> tuple[torch.Tensor, ...]:

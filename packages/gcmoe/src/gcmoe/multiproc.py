@@ -517,9 +517,10 @@ def main(argv=None) -> int:
         ok = rec["passed"] == a.runs
         print(f"{rec['passed']} of {a.runs} runs passed at P = {a.ranks}")
     else:
-        worker = _bench_worker if a.what == "bench" else _dispatch_worker
-        extra = (a.models, a.tokens, a.iters, tuple(a.variants)) if a.what == "bench" else (a.sms, a.tokens, a.iters)
-        extra = (*extra, a.align, a.routing) if a.what == "bench" else (*extra, a.align)
+        if a.what == "bench":
+            worker, extra = _bench_worker, (a.models, a.tokens, a.iters, tuple(a.variants), a.align, a.routing)
+        else:
+            worker, extra = _dispatch_worker, (a.sms, a.tokens, a.iters, a.align)
         recs = spawn_ranks(worker, a.ranks, f"{a.out}/{a.what}", *extra)
         ok = all(r["ok"] for r in recs)
         rec = {
