@@ -1,6 +1,7 @@
 """Where a layer call's time goes (run on the GPU): per-kernel timelines of cold-L2 replays from the profiler (start
-and end of every kernel relative to the first, per stream), partitioned vs sequential, and the eager path's host
-time per call next to its GPU time.
+and end of every kernel relative to the first, per stream), partitioned vs sequential, the eager path's host
+time per call next to its GPU time, and the replay overhead of the layer's graph: a cold-L2 replay timed by CUDA
+events on its stream minus the span of its kernels (first start to last end, profiler; medians).
 
     python tools/gpu/layer_probe.py [--models deepseek-v3] [--tokens 1 8 32] [--out DIR]
 """
@@ -44,20 +45,37 @@ def timeline(run, reps=3):
             run()
             torch.cuda.synchronize()
     ks = sorted(
-        (e.time_range.start, e.time_range.end, short(e.name))
+        (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and "amax" not in e.name.lower()
     )
     runs, cur = [], []
-    for k in ks:  # a gap of > 200 µs separates runs (the flush and the syncs)
-        if cur and k[0] - cur[-1][1] > 200:
-            runs.append(cur)
+    for a, b, name in ks:  # the flush's kernels (a reduction, a memset) separate the runs
+        if "reduce_kernel" in name or "Memset" in name:
+            if cur:
+                runs.append(cur)
             cur = []
-        cur.append(k)
+            continue
+        cur.append((a, b, short(name)))
     runs.append(cur)
     last = runs[-1]
     t0 = last[0][0]
-    return [(n, round(a - t0, 1), round(b - t0, 1)) for a, b, n in last], round(max(b for _, b, _ in last) - t0, 1)
+    spans = [max(b for _, b, _ in r) - r[0][0] for r in runs]
+    return [(n, round(a - t0, 1), round(b - t0, 1)) for a, b, n in last], round(statistics.median(spans), 1)
+
+
+def event_us(run, reps=20) -> float:
+    """Median µs of cold-L2 runs timed by CUDA events on the current stream (what a caller sees of a replay)."""
+    times = []
+    for _ in range(reps):
+        flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return round(statistics.median(times), 1)
 
 
 def busy(tl) -> float:
@@ -87,7 +105,7 @@ for model in args.models:
                 layer(x, ids, w)
             g.replay()
             torch.cuda.synchronize()
-            tl_graph, span_graph = timeline(g.replay)
+            tl_graph, span_graph = timeline(g.replay, reps=10)
             tl_eager, span_eager = timeline(lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w))
             host = []
             for _ in range(40):
@@ -103,11 +121,14 @@ for model in args.models:
                 gr.replay()
                 rep.append((time.perf_counter() - t0) * 1e6)
                 torch.cuda.synchronize()
+            replay_us = event_us(g.replay)
             rec = {
                 "model": model,
                 "tokens": t,
                 "comm_sms": c,
+                "graph_replay_event_us": replay_us,
                 "graph_span_us": span_graph,
+                "graph_replay_overhead_us": round(replay_us - span_graph, 1),
                 "graph_busy_us": busy(tl_graph),
                 "graph_gaps_us": round(span_graph - busy(tl_graph), 1),
                 "eager_span_us": span_eager,

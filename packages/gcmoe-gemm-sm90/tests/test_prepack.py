@@ -123,6 +123,13 @@ def test_k_splits_stages_and_shared_memory():
     shapes = {"v3": (8, 7168, 2048), "v4": (6, 4096, 2048), "glm5": (8, 6144, 2048), "glm45": (8, 5120, 1536)}
     w1 = {n: choose_config(1, k, 20 if n == "glm45" else 32, h, i, 132, 1).splits[0] for n, (k, h, i) in shapes.items()}
     assert w1 == {"v3": 1, "v4": 2, "glm5": 1, "glm45": 2}
+    # W2 split in two where its tiles leave SMs without one: V4-Flash at one token (7 experts x 16 tiles < 132 SMs)
+    for t, want in ((1, {"v3": 1, "v4": 2, "glm5": 1, "glm45": 1}), (2, dict.fromkeys(shapes, 1))):
+        w2 = {
+            n: choose_config(t, k, 20 if n == "glm45" else 32, h, i, 132, 1).splits[1]
+            for n, (k, h, i) in shapes.items()
+        }
+        assert w2 == want, t
     assert all(choose_config(2, k, 32, h, i, 132, 1).splits[0] == 1 for k, h, i in shapes.values())
     # stream_k W1 exactly where one token's unsplit W1 has 132 < tiles <= 264 (V3 / GLM-5: 144; measured faster there,
     # slower at two tokens), never with K splits

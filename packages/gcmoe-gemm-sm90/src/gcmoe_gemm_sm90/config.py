@@ -166,15 +166,18 @@ def choose_config(
     # SM slots and either leave SMs without a tile (GLM-4.5 T = 1: 108 tiles, 61.0 µs vs 67.7 unsplit) or, at one
     # token, stream at most 32 K windows each (V4-Flash T = 1: 67.0 vs 69.2); else unsplit, which also lets W2 start
     # per expert (with_splits: expert_sync), measured faster for DeepSeek-V3 T = 1 / 2 (94.1 vs 100.0 µs, 126.5 vs
-    # 137.3) and GLM-5 T = 1 (86.0 vs 89.3); W2 split only when its tiles fill less than a quarter of the slots (split
-    # W2 measured 4-8 % slower at every point of docs/benchmarks/layer-h200-2026-11-30.md)
+    # 137.3) and GLM-5 T = 1 (86.0 vs 89.3); W2 split in two where its tiles leave SMs without one (DeepSeek-V4-Flash
+    # at T = 1: 7 experts x 16 tiles = 112 of 132 SMs, one CTA streaming 16 windows each: 49.6 vs 52.4 µs with W1
+    # split, 50.9 vs 53.8 unsplit; where the tiles cover the SMs split W2 measured slower: V4-Flash T = 2, 71.2 vs
+    # 67.8; DeepSeek-V3 T = 1 / 2, 90.5 vs 85.4, 124.8 vs 111.6; H200, 2026-12-01, tools/gpu/split_sweep.py, and 4-8 %
+    # at every point of docs/benchmarks/layer-h200-2026-11-30.md)
     slots = sms * occupancy
     w1_tiles = (active + shared) * 2 * inter / TILE_M
     w1_windows = hidden // WINDOW_K
     w2_tiles = (active + shared) * hidden / TILE_M
     want = (
         2 if w1_tiles <= slots and (w1_tiles < sms or (tokens_per_rank == 1 and w1_windows <= 32)) else 1,
-        2 if w2_tiles * 4 < slots else 1,
+        2 if w2_tiles < sms else 1,
     )
     splits = []
     for (m, k), sp in zip(((2 * inter, hidden), (hidden, inter)), want):
