@@ -7,6 +7,7 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep first        the shared experts' grid rows first (the default) vs every ring expert in expert order
     --sweep grid         W1 / W2 grid rows bounded by the experts that can have rows (the default at world size 1 with
                          active-first rows) vs one row per ring expert; and 4 warpgroups at N tiles <= 24
+    --sweep stages       the chosen pipeline depth vs up to two stages fewer and more (bytes in flight per CTA)
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2] [--out DIR]
 """
@@ -26,7 +27,7 @@ from gcmoe_gemm_sm90.config import can_implement, with_splits
 from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--sweep", choices=("splits", "expert_sync", "stream_k", "grid", "first"), default="splits")
+ap.add_argument("--sweep", choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages"), default="splits")
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
 ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2])
@@ -52,6 +53,12 @@ for model in args.models:
         elif args.sweep == "stream_k":
             unsplit = with_splits(replace(chosen, stream_k=False), (1, chosen.splits[1]), h, i)
             variants = {"chosen": chosen, "w1_unsplit": unsplit, "stream_k": replace(unsplit, stream_k=True)}
+        elif args.sweep == "stages":
+            depths = range(max(2, chosen.stages - 2), min(8, chosen.stages + 2) + 1)
+            variants = {
+                "chosen": chosen,
+                **{f"stages{d}": replace(chosen, stages=d) for d in depths if d != chosen.stages},
+            }
         elif args.sweep == "first":
             variants = {"chosen": chosen, "shared_last": chosen}
         elif args.sweep == "grid":

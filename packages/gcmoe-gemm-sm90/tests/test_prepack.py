@@ -124,6 +124,12 @@ def test_k_splits_stages_and_shared_memory():
     w1 = {n: choose_config(1, k, 20 if n == "glm45" else 32, h, i, 132, 1).splits[0] for n, (k, h, i) in shapes.items()}
     assert w1 == {"v3": 1, "v4": 2, "glm5": 1, "glm45": 2}
     # W2 split in two where its tiles leave SMs without one: V4-Flash at one token (7 experts x 16 tiles < 132 SMs)
+    # stream_k (V3 / GLM-5 at one token): 4 stages, the others as many as fit
+    from gcmoe_gemm_sm90.config import STREAM_K_STAGES
+
+    for n, (k, h, i) in shapes.items():
+        c = choose_config(1, k, 20 if n == "glm45" else 32, h, i, 132, 1)
+        assert c.stream_k == (n in ("v3", "glm5")) and (c.stages == STREAM_K_STAGES) == c.stream_k, n
     for t, want in ((1, {"v3": 1, "v4": 2, "glm5": 1, "glm45": 1}), (2, dict.fromkeys(shapes, 1))):
         w2 = {
             n: choose_config(t, k, 20 if n == "glm45" else 32, h, i, 132, 1).splits[1]

@@ -66,6 +66,7 @@ WINDOW_SCALE_BYTES = TILE_M * 4  # its scale records, one int32 per weight row
 # per rank (75-80 % of the experts empty), 0.97-1.0x at 8-32 tokens (13 % or fewer empty), side by side, H200,
 # 2026-11-29 (sm90-grouped-v7 runs S and R)
 ACTIVE_FIRST_BELOW = 0.5
+STREAM_K_STAGES = 4  # pipeline depth of the stream_k configurations (choose_config)
 SMEM_PER_SM = 228 * 1024  # H100 / H200: 227 KB usable by one CTA, 1 KB reserved per resident CTA
 
 
@@ -188,7 +189,12 @@ def choose_config(
     # 86.0), 0.90-0.96x at T = 2 on three shapes (H200, 2026-11-30, tools/gpu/split_sweep.py --sweep stream_k,
     # docs/benchmarks/stream-k-h200-2026-11-30.md)
     stream_k = tokens_per_rank == 1 and splits[0] == 1 and sms < w1_tiles <= slots
-    return with_splits(replace(cfg, stream_k=stream_k), (splits[0], splits[1]), hidden, inter)
+    cfg = with_splits(replace(cfg, stream_k=stream_k), (splits[0], splits[1]), hidden, inter)
+    # stream_k: 4 stages, not as many as fit (6): every CTA of the one wave asks for its first stages at once, and the
+    # smaller burst reaches each CTA's first window sooner (DeepSeek-V3 T = 1 1.02-1.05x, GLM-5 1.05x; 0.99-1.01x
+    # at T = 2 and for V4-Flash's K-split clusters, where it is not applied; H200, 2026-12-01, split_sweep --sweep
+    # stages)
+    return replace(cfg, stages=min(cfg.stages, STREAM_K_STAGES)) if stream_k else cfg
 
 
 def n_tile_for(expected: float) -> int:
