@@ -337,6 +337,25 @@ def test_sanitize_configs_fit_both_gemms_of_the_case_shape(kc):
 
 
 @pytest.mark.compile
+def test_stream_probe_compiles_for_sm90a_and_its_shapes_fit():
+    """stream_probe.py: the streaming pipeline compiles (bulk copies on mbarriers, no local memory) at the shallowest
+    and deepest depth it runs, and every shape's stages fit its occupancy's shared memory."""
+    import stream_probe
+
+    from gcmoe_core.cutedsl import sass_opcodes
+    from gcmoe_gemm_sm90.config import smem_limit
+
+    for _, ctas, windows, occupancy, stages in stream_probe.SHAPES:
+        assert ctas > 0 and windows > 0 and stages * stream_probe.WINDOW_BYTES + 1024 <= smem_limit(occupancy)
+    depths = {(st, occ) for *_, occ, st in stream_probe.SHAPES}
+    for stages, occupancy in (min(depths), max(depths)):
+        k = stream_probe.compiled(stages, occupancy)
+        ops = sass_opcodes(k.sass())
+        assert "UBLKCP.S.G" in ops and any(o.startswith("SYNCS.PHASECHK") for o in ops)
+        assert k.resources()["LOCAL"] == 0
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("name", [*(f"ring-{n}" for n in sanitize_case.RING_CONFIGS), *sanitize_case.ROW_CONFIGS])
 def test_sanitize_configs_compile_for_sm90a(name):
     """Every forced configuration compiles as the case runs it (ring mode through the layer, or prepared rows)."""

@@ -1,0 +1,194 @@
+"""How fast the sm90 kernels' weight stream can be with no compute at all (run on the GPU): the grid shapes the layer
+launches at small T, streamed through the same pipeline (bulk copies of 16 KB weight windows + 1 KB scale records
+into `stages` shared-memory stages on mbarriers, PipelineTmaAsync), each window released as soon as it has landed.
+
+The question behind it (docs/benchmarks/layer-h200-2026-12-01-c.md): at T <= 32 the layer is neither bound by the
+decode (no decode at all buys <= 1.11x), nor by more stages or an L2 prefetch; the 2026-11-29 stage ablations
+(sm90-grouped-v6) streamed W1 + W2 of DeepSeek-V4-Flash at T = 1 in 1.83x the floor with no compute. This separates
+the grid's shape (CTAs, windows per CTA, CTAs per SM, stages, one wave or two) from everything else: a shape that
+cannot stream at the floor here cannot in the kernels either, and a persistent schedule (#15 item 1) is worth
+building only if its shape streams faster.
+
+Each CTA streams its own contiguous `windows` x 17 KB of a buffer larger than L2 (cold: written before each run);
+one word per window is read back (summed into `out`) so the consumer waits for every window. Rate = bytes / time of a
+CUDA-graph replay, median, against the device-to-device copy bandwidth of the same run.
+
+    python tools/gpu/stream_probe.py [--out FILE.json]
+"""
+
+import argparse
+import json
+
+import torch
+
+from gcmoe_core.cutedsl import cutlass_modules
+from gcmoe_core.kernel_helpers import bulk_copy_g2s
+
+cutlass, cute = cutlass_modules()
+import cuda.bindings.driver as cuda  # noqa: E402
+import cutlass.pipeline as pipeline  # noqa: E402
+import cutlass.utils as utils  # noqa: E402
+
+Int32, Int64 = cutlass.Int32, cutlass.Int64
+WEIGHT_BYTES = 16384  # one 256-row x 128-K window of FP4 weights (gcmoe_gemm_sm90.config.WINDOW_WEIGHT_BYTES)
+SCALE_BYTES = 1024  # its scale records (WINDOW_SCALE_BYTES)
+WINDOW_BYTES = WEIGHT_BYTES + SCALE_BYTES
+THREADS = 256  # two warpgroups, as the kernels at N <= 24
+
+
+class StreamProbe:
+    def __init__(self, stages: int, occupancy: int):
+        self.stages, self.occupancy = stages, occupancy
+
+    @cute.jit
+    def __call__(self, src: cute.Tensor, out: cute.Tensor, windows: Int32, ctas: Int32, stream: cuda.CUstream):
+        @cute.struct
+        class Shared:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sW: cute.struct.Align[cute.struct.MemRange[Int32, WINDOW_BYTES // 4 * self.stages], 128]
+
+        self.shared = Shared
+        self.kernel(src, out, windows).launch(
+            grid=[ctas, 1, 1],
+            block=[THREADS, 1, 1],
+            smem=Shared.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=self.occupancy,
+            preferred_smem_carveout=100,  # (also keeps the DSL from querying a device at compile time)
+        )
+
+    @cute.kernel
+    def kernel(self, src: cute.Tensor, out: cute.Tensor, windows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        st = utils.SmemAllocator().allocate(self.shared)
+        sw = st.sW.get_tensor(cute.make_layout(WINDOW_BYTES // 4 * self.stages))
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
+            tx_count=WINDOW_BYTES,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        cute.arch.barrier()
+        base = src.iterator.toint() + Int64(cta) * Int64(windows) * WINDOW_BYTES
+        dst = st.sW.data_ptr().toint()
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        issued = Int32(0)
+        if warp == 0:  # the whole warp (the arrive elects one lane itself), as the kernels' producer
+            for _ in cutlass.range_constexpr(self.stages - 1):
+                if issued < windows:
+                    self.produce(pipe, prod, base, dst, issued)
+                    prod.advance()
+                    issued += 1
+        acc = Int32(0)
+        for _w in cutlass.range(windows, unroll=1):
+            pipe.consumer_wait(cons)
+            if lane == 0:  # one word of the stage per warp: the window has landed
+                acc = acc + sw[cons.index * (WINDOW_BYTES // 4) + warp]
+            pipe.consumer_release(cons)
+            cons.advance()
+            if warp == 0 and issued < windows:
+                self.produce(pipe, prod, base, dst, issued)
+                prod.advance()
+                issued += 1
+        if lane == 0:
+            out[cta * (THREADS // 32) + warp] = acc
+
+    @cute.jit
+    def produce(self, pipe: pipeline.PipelineTmaAsync, prod: pipeline.PipelineState, base: Int64, dst: Int32, w: Int32):
+        """Window w of this CTA into the next stage: its weights and scale records, two bulk copies on its mbarrier."""
+        pipe.producer_acquire(prod)
+        bar = pipe.producer_get_barrier(prod).toint()
+        with cute.arch.elect_one():
+            at = base + Int64(w) * WINDOW_BYTES
+            stage = dst + prod.index * WINDOW_BYTES
+            bulk_copy_g2s(stage, at, WEIGHT_BYTES, bar)
+            bulk_copy_g2s(stage + WEIGHT_BYTES, at + WEIGHT_BYTES, SCALE_BYTES, bar)
+
+
+def compiled(stages: int, occupancy: int, arch: str = "sm_90a"):
+    from cutlass import runtime as crt
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    from gcmoe_core.cutedsl import compile_kernel
+
+    src = make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=16)
+    out = make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=16)
+    return compile_kernel(
+        StreamProbe(stages, occupancy),
+        src,
+        out,
+        Int32(1),
+        Int32(1),
+        crt.make_fake_stream(),
+        arch=arch,
+        name=f"stream_probe_s{stages}_o{occupancy}",
+    )
+
+
+# (name, CTAs as a multiple of the SM count or an absolute count, windows per CTA, CTAs per SM the smem allows,
+# stages): the layer's W1 / W2 grids at small T on an EP8 rank (H200, 132 SMs), and the same bytes balanced
+SHAPES = [
+    ("v4flash_t1_w1_ksplit", 224, 16, 2, 5),  # 7 experts x 16 tiles x 2 K splits
+    ("v4flash_t1_w1_ksplit_s3", 224, 16, 2, 3),
+    ("v4flash_t1_w1_unsplit", 112, 32, 2, 6),
+    ("v4flash_t1_w2_split", 224, 8, 2, 5),
+    ("v4flash_t1_balanced_264", 264, 14, 2, 5),  # ~the K-split W1's bytes, every slot the same
+    ("v4flash_t1_balanced_132", 132, 27, 1, 12),  # one CTA per SM, deep
+    ("v3_t1_w1_stream_k", 264, 31, 2, 4),  # 144 tiles x 56 windows over 264 slots
+    ("v3_t1_w1_stream_k_s6", 264, 31, 2, 6),
+    ("v3_t1_w2", 252, 16, 2, 6),  # 9 experts x 28 tiles
+    ("v4flash_t8_w1", 432, 32, 2, 6),  # 27 experts x 16 tiles: 1.6 waves
+    ("v4flash_t32_w1", 528, 32, 2, 5),  # 33 x 16: two waves
+    ("steady_264x64", 264, 64, 2, 6),  # long streams: the pipeline's steady rate
+]
+
+
+def main() -> None:
+    from gcmoe_core.cutedsl import as_cute
+    from gcmoe_core.timing import copy_bandwidth, time_gpu
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    rows = []
+    for name, ctas, windows, occupancy, stages in SHAPES:
+        k = compiled(stages, occupancy)
+        nbytes = ctas * windows * WINDOW_BYTES
+        src = torch.randint(0, 1 << 30, (nbytes // 4,), dtype=torch.int32, device=dev)
+        out = torch.zeros(ctas * THREADS // 32, dtype=torch.int32, device=dev)
+        run = lambda k=k, src=src, out=out, w=windows, c=ctas: k(as_cute(src), as_cute(out), Int32(w), Int32(c), stream)
+        t = time_gpu(run, iters=args.iters, warmup=2, graph=True, cold_l2=True)["median_us"]
+        expect = src.view(ctas, windows, WINDOW_BYTES // 4)[:, :, : THREADS // 32].sum(1, dtype=torch.int64)
+        ok = bool(torch.equal(out.view(ctas, -1).to(torch.int64), (expect + (1 << 31)) % (1 << 32) - (1 << 31)))
+        row = dict(
+            shape=name,
+            ctas=ctas,
+            windows=windows,
+            occupancy=occupancy,
+            stages=stages,
+            mb=round(nbytes / 1e6, 1),
+            us=round(t, 1),
+            tb_s=round(nbytes / t / 1e6, 2),
+            x_copy_floor=round(t / (nbytes / bw * 1e6), 2),
+            read_back_ok=ok,
+        )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del src, out
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_tb_s=bw / 1e12, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
