@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 import gcmoe
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import make_tokens, make_weights
-from gcmoe_core.timing import ColdL2
+from gcmoe_core.timing import ColdL2, time_once
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--models", nargs="+", default=["deepseek-v3"])
@@ -66,16 +66,7 @@ def timeline(run, reps=3):
 
 def event_us(run, reps=20) -> float:
     """Median µs of cold-L2 runs timed by CUDA events on the current stream (what a caller sees of a replay)."""
-    times = []
-    for _ in range(reps):
-        flush()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return round(statistics.median(times), 1)
+    return round(statistics.median(time_once(run, flush) for _ in range(reps)), 1)
 
 
 def busy(tl) -> float:

@@ -131,8 +131,8 @@ def compiled(stages: int, occupancy: int, arch: str = "sm_90a"):
     )
 
 
-# (name, CTAs as a multiple of the SM count or an absolute count, windows per CTA, CTAs per SM the smem allows,
-# stages): the layer's W1 / W2 grids at small T on an EP8 rank (H200, 132 SMs), and the same bytes balanced
+# (name, CTAs, windows per CTA, CTAs per SM its shared memory allows, stages): the layer's W1 / W2 grids at small T
+# on an EP8 rank (H200, 132 SMs), and the same bytes balanced over every SM slot
 SHAPES = [
     ("v4flash_t1_w1_ksplit", 224, 16, 2, 5),  # 7 experts x 16 tiles x 2 K splits
     ("v4flash_t1_w1_ksplit_s3", 224, 16, 2, 3),
