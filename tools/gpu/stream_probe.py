@@ -2,7 +2,7 @@
 launches at small T, streamed through the same pipeline (bulk copies of 16 KB weight windows + 1 KB scale records
 into `stages` shared-memory stages on mbarriers, PipelineTmaAsync), each window released as soon as it has landed.
 
-The question behind it (docs/benchmarks/layer-h200-2026-12-01-c.md): at T <= 32 the layer is neither bound by the
+The question behind it (docs/benchmarks/layer-bounds-h200-2026-12-01.md): at T <= 32 the layer is neither bound by the
 decode (no decode at all buys <= 1.11x), nor by more stages or an L2 prefetch; the 2026-11-29 stage ablations
 (sm90-grouped-v6) streamed W1 + W2 of DeepSeek-V4-Flash at T = 1 in 1.83x the floor with no compute. This separates
 the grid's shape (CTAs, windows per CTA, CTAs per SM, stages, one wave or two) from everything else: a shape that

@@ -171,7 +171,7 @@ def choose_config(
     # at T = 1: 7 experts x 16 tiles = 112 of 132 SMs, one CTA streaming 16 windows each: 49.6 vs 52.4 µs with W1
     # split, 50.9 vs 53.8 unsplit; where the tiles cover the SMs split W2 measured slower: V4-Flash T = 2, 71.2 vs
     # 67.8; DeepSeek-V3 T = 1 / 2, 90.5 vs 85.4, 124.8 vs 111.6; GLM-4.5 T = 1 (144 tiles) 55.4 vs 53.2; H200,
-    # 2026-12-01, docs/benchmarks/layer-h200-2026-12-01-c.md; and 4-8 % at every point of layer-h200-2026-11-30.md)
+    # 2026-12-01, docs/benchmarks/layer-bounds-h200-2026-12-01.md; and 4-8 % at every point of layer-h200-2026-11-30.md)
     slots = sms * occupancy
     w1_tiles = (active + shared) * 2 * inter / TILE_M
     w1_windows = hidden // WINDOW_K
@@ -193,7 +193,7 @@ def choose_config(
     # stream_k: 4 stages, not as many as fit (6): every CTA of the one wave asks for its first stages at once, and the
     # smaller burst reaches each CTA's first window sooner (DeepSeek-V3 T = 1 1.02-1.05x, GLM-5 1.03-1.06x; 0.98-1.03x
     # at T = 2 / 8 and for V4-Flash's K-split clusters, where it is not applied; H200, 2026-12-01, split_sweep --sweep
-    # stages, docs/benchmarks/layer-h200-2026-12-01-c.md)
+    # stages, docs/benchmarks/layer-bounds-h200-2026-12-01.md)
     return replace(cfg, stages=min(cfg.stages, STREAM_K_STAGES)) if stream_k else cfg
 
 
