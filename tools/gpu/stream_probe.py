@@ -9,9 +9,9 @@ the grid's shape (CTAs, windows per CTA, CTAs per SM, stages, one wave or two) f
 cannot stream at the floor here cannot in the kernels either, and a persistent schedule (#15 item 1) is worth
 building only if its shape streams faster.
 
-Each CTA streams its own contiguous `windows` x 17 KB of a buffer larger than L2 (cold: written before each run);
-one word per window is read back (summed into `out`) so the consumer waits for every window. Rate = bytes / time of a
-CUDA-graph replay, median, against the device-to-device copy bandwidth of the same run.
+Each CTA streams its own contiguous `windows` x 17 KB of the buffer (L2 made cold before each replay: ColdL2); one
+word per window per warp is read back (summed into `out`, checked against torch) so every consumer waits for every
+window. Rate = bytes / time of a CUDA-graph replay, median, against the device-to-device copy bandwidth of the run.
 
     python tools/gpu/stream_probe.py [--out FILE.json]
 """
@@ -159,14 +159,15 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     rows = []
     for name, ctas, windows, occupancy, stages in SHAPES:
         k = compiled(stages, occupancy)
         nbytes = ctas * windows * WINDOW_BYTES
         src = torch.randint(0, 1 << 30, (nbytes // 4,), dtype=torch.int32, device=dev)
         out = torch.zeros(ctas * THREADS // 32, dtype=torch.int32, device=dev)
-        run = lambda k=k, src=src, out=out, w=windows, c=ctas: k(as_cute(src), as_cute(out), Int32(w), Int32(c), stream)
+        args_ = (as_cute(src), as_cute(out), Int32(windows), Int32(ctas))
+        # (the stream at call time: the capture's)
+        run = lambda k=k, a=args_: k(*a, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
         t = time_gpu(run, iters=args.iters, warmup=2, graph=True, cold_l2=True)["median_us"]
         expect = src.view(ctas, windows, WINDOW_BYTES // 4)[:, :, : THREADS // 32].sum(1, dtype=torch.int64)
         ok = bool(torch.equal(out.view(ctas, -1).to(torch.int64), (expect + (1 << 31)) % (1 << 32) - (1 << 31)))
