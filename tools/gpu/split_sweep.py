@@ -52,7 +52,8 @@ for model in args.models:
             }
         elif args.sweep == "stream_k":
             unsplit = with_splits(replace(chosen, stream_k=False), (1, chosen.splits[1]), h, i)
-            variants = {"chosen": chosen, "w1_unsplit": unsplit, "stream_k": replace(unsplit, stream_k=True)}
+            streamk = with_splits(replace(unsplit, stream_k=True), unsplit.splits, h, i)  # (its stages)
+            variants = {"chosen": chosen, "w1_unsplit": unsplit, "stream_k": streamk}
         elif args.sweep == "stages":
             depths = range(max(2, chosen.stages - 2), min(8, chosen.stages + 2) + 1)
             variants = {

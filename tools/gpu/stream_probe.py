@@ -165,9 +165,9 @@ def main() -> None:
         nbytes = ctas * windows * WINDOW_BYTES
         src = torch.randint(0, 1 << 30, (nbytes // 4,), dtype=torch.int32, device=dev)
         out = torch.zeros(ctas * THREADS // 32, dtype=torch.int32, device=dev)
-        args_ = (as_cute(src), as_cute(out), Int32(windows), Int32(ctas))
+        operands = (as_cute(src), as_cute(out), Int32(windows), Int32(ctas))
         # (the stream at call time: the capture's)
-        run = lambda k=k, a=args_: k(*a, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+        run = lambda k=k, a=operands: k(*a, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
         t = time_gpu(run, iters=args.iters, warmup=2, graph=True, cold_l2=True)["median_us"]
         expect = src.view(ctas, windows, WINDOW_BYTES // 4)[:, :, : THREADS // 32].sum(1, dtype=torch.int64)
         ok = bool(torch.equal(out.view(ctas, -1).to(torch.int64), (expect + (1 << 31)) % (1 << 32) - (1 << 31)))

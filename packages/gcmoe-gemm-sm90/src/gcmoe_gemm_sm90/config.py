@@ -66,7 +66,7 @@ WINDOW_SCALE_BYTES = TILE_M * 4  # its scale records, one int32 per weight row
 # per rank (75-80 % of the experts empty), 0.97-1.0x at 8-32 tokens (13 % or fewer empty), side by side, H200,
 # 2026-11-29 (sm90-grouped-v7 runs S and R)
 ACTIVE_FIRST_BELOW = 0.5
-STREAM_K_STAGES = 4  # pipeline depth of the stream_k configurations (choose_config)
+STREAM_K_STAGES = 4  # the most pipeline stages of a stream_k configuration (with_splits)
 SMEM_PER_SM = 228 * 1024  # H100 / H200: 227 KB usable by one CTA, 1 KB reserved per resident CTA
 
 
@@ -189,12 +189,7 @@ def choose_config(
     # 86.0), 0.90-0.96x at T = 2 on three shapes (H200, 2026-11-30, tools/gpu/split_sweep.py --sweep stream_k,
     # docs/benchmarks/stream-k-h200-2026-11-30.md)
     stream_k = tokens_per_rank == 1 and splits[0] == 1 and sms < w1_tiles <= slots
-    cfg = with_splits(replace(cfg, stream_k=stream_k), (splits[0], splits[1]), hidden, inter)
-    # stream_k: 4 stages, not as many as fit (6): every CTA of the one wave asks for its first stages at once, and the
-    # smaller burst reaches each CTA's first window sooner (DeepSeek-V3 T = 1 1.02-1.05x, GLM-5 1.03-1.06x; 0.98-1.03x
-    # at T = 2 / 8 and for V4-Flash's K-split clusters, where it is not applied; H200, 2026-12-01, split_sweep --sweep
-    # stages, docs/benchmarks/layer-bounds-h200-2026-12-01.md)
-    return replace(cfg, stages=min(cfg.stages, STREAM_K_STAGES)) if stream_k else cfg
+    return with_splits(replace(cfg, stream_k=stream_k), (splits[0], splits[1]), hidden, inter)
 
 
 def n_tile_for(expected: float) -> int:
@@ -222,7 +217,10 @@ def tile_shape(n_tile: int) -> tuple[int, int]:
 
 def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: int) -> Sm90Config:
     """cfg with these K splits, expert_sync where W1 runs unsplit, and as many pipeline stages (<= 8) as the shared
-    memory of its occupancy holds.
+    memory of its occupancy holds — with stream_k at most STREAM_K_STAGES: every CTA of its one wave asks for its
+    first stages at once, and the smaller burst reaches each CTA's first window sooner (DeepSeek-V3 T = 1 1.02-1.05x,
+    GLM-5 1.03-1.06x than the 6 that fit; fewer stages 0.98-1.03x at T = 2 / 8 and for V4-Flash's K-split clusters;
+    H200, 2026-12-01, split_sweep --sweep stages, docs/benchmarks/layer-bounds-h200-2026-12-01.md).
 
     expert_sync (ring mode): W2 per expert after its W1 tiles instead of after the whole W1 grid wherever W1 runs
     unsplit: the layer 1.07-1.15x faster at T = 4-128 on DeepSeek-V3, 1.01-1.14x on V4-Flash at T = 2-128;
@@ -231,7 +229,7 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
     cfg = replace(cfg, splits=splits, expert_sync=splits[0] == 1, stream_k=cfg.stream_k and splits[0] == 1)
     k_max, s_max = max(hidden, inter), max(splits)
     fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k_max, s_max) <= smem_limit(cfg.occupancy)]
-    return replace(cfg, stages=max(fits))
+    return replace(cfg, stages=min(max(fits), STREAM_K_STAGES) if cfg.stream_k else max(fits))
 
 
 def can_implement(
