@@ -345,11 +345,12 @@ def test_stream_probe_compiles_for_sm90a_and_its_shapes_fit():
     from gcmoe_core.cutedsl import sass_opcodes
     from gcmoe_gemm_sm90.config import smem_limit
 
-    for _, ctas, windows, occupancy, stages in stream_probe.SHAPES:
+    for _, ctas, windows, occupancy, stages, *_ in stream_probe.SHAPES:
         assert ctas > 0 and windows > 0 and stages * stream_probe.WINDOW_BYTES + 1024 <= smem_limit(occupancy)
-    depths = {(st, occ) for *_, occ, st in stream_probe.SHAPES}
-    for stages, occupancy in (min(depths), max(depths)):
-        k = stream_probe.compiled(stages, occupancy)
+    depths = {(sh[4], sh[3]) for sh in stream_probe.SHAPES}
+    chunked = next(sh for sh in stream_probe.SHAPES if len(sh) > 5)
+    for stages, occupancy, *chunks in (min(depths), max(depths), (chunked[4], chunked[3], chunked[5])):
+        k = stream_probe.compiled(stages, occupancy, *chunks, evict_first=bool(chunks))
         ops = sass_opcodes(k.sass())
         assert "UBLKCP.S.G" in ops and any(o.startswith("SYNCS.PHASECHK") for o in ops)
         assert k.resources()["LOCAL"] == 0

@@ -8,8 +8,11 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep grid         W1 / W2 grid rows bounded by the experts that can have rows (the default at world size 1 with
                          active-first rows) vs one row per ring expert; and 4 warpgroups at N tiles <= 24
     --sweep stages       the chosen pipeline depth vs up to two stages fewer and more (bytes in flight per CTA)
+    --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
+                         the hint matters where L2 holds dirty lines)
 
-    python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2] [--out DIR]
+    python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
+                                    [--l2-flush read] [--out DIR]
 """
 
 import argparse
@@ -22,16 +25,19 @@ import torch
 import gcmoe
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import calc_diff, make_tokens, make_weights
-from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
+from gcmoe_core.timing import L2_FLUSHES, capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
 from gcmoe_gemm_sm90.config import can_implement, with_splits
 from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--sweep", choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages"), default="splits")
+ap.add_argument(
+    "--sweep", choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first"), default="splits"
+)
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
 ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2])
 ap.add_argument("--iters", type=int, default=20)
+ap.add_argument("--l2-flush", choices=L2_FLUSHES, default="read")
 ap.add_argument("--out", default=".")
 args = ap.parse_args()
 bw = copy_bandwidth(torch.device("cuda"))
@@ -60,6 +66,8 @@ for model in args.models:
                 "chosen": chosen,
                 **{f"stages{d}": replace(chosen, stages=d) for d in depths if d != chosen.stages},
             }
+        elif args.sweep == "evict_first":
+            variants = {"chosen": chosen, "flipped": replace(chosen, evict_first=not chosen.evict_first)}
         elif args.sweep == "first":
             variants = {"chosen": chosen, "shared_last": chosen}
         elif args.sweep == "grid":
@@ -84,7 +92,7 @@ for model in args.models:
             layers.append(layer)
             fn = lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w)
             graphs[name], outs[name] = capture_graph(fn, warmup=2, stream=torch.cuda.Stream())
-        times = time_interleaved(graphs, args.iters, l2_flush="read")
+        times = time_interleaved(graphs, args.iters, l2_flush=args.l2_flush)
         for g in graphs.values():  # every variant's output of the same call against the first's
             g.replay()
         torch.cuda.synchronize()
@@ -96,6 +104,8 @@ for model in args.models:
             "model": model,
             "tokens": t,
             "sweep": args.sweep,
+            "l2_flush": args.l2_flush,
+            "chosen_evict_first": chosen.evict_first,
             "chosen_splits": list(chosen.splits),
             "floor_us": floor,
         }
@@ -106,6 +116,6 @@ for model in args.models:
         del layers, graphs
         torch.cuda.empty_cache()
 Path(args.out).mkdir(parents=True, exist_ok=True)
-Path(args.out, f"{args.sweep.replace('_', '-')}-sweep.json").write_text(
+Path(args.out, f"{args.sweep.replace('_', '-')}-sweep-{args.l2_flush}.json").write_text(
     json.dumps({"meta": run_meta(copy_tb_s=bw / 1e12), "records": recs})
 )

@@ -18,6 +18,7 @@ window. Rate = bytes / time of a CUDA-graph replay, median, against the device-t
 
 import argparse
 import json
+import statistics
 
 import torch
 
@@ -37,8 +38,8 @@ THREADS = 256  # two warpgroups, as the kernels at N <= 24
 
 
 class StreamProbe:
-    def __init__(self, stages: int, occupancy: int):
-        self.stages, self.occupancy = stages, occupancy
+    def __init__(self, stages: int, occupancy: int, chunks: int = 1, evict_first: bool = False):
+        self.stages, self.occupancy, self.chunks, self.evict_first = stages, occupancy, chunks, evict_first
 
     @cute.jit
     def __call__(self, src: cute.Tensor, out: cute.Tensor, windows: Int32, ctas: Int32, stream: cuda.CUstream):
@@ -107,11 +108,13 @@ class StreamProbe:
         with cute.arch.elect_one():
             at = base + Int64(w) * WINDOW_BYTES
             stage = dst + prod.index * WINDOW_BYTES
-            bulk_copy_g2s(stage, at, WEIGHT_BYTES, bar)
-            bulk_copy_g2s(stage + WEIGHT_BYTES, at + WEIGHT_BYTES, SCALE_BYTES, bar)
+            for c in cutlass.range_constexpr(self.chunks):  # the weights in `chunks` bulk copies
+                part = WEIGHT_BYTES // self.chunks
+                bulk_copy_g2s(stage + c * part, at + c * part, part, bar, self.evict_first)
+            bulk_copy_g2s(stage + WEIGHT_BYTES, at + WEIGHT_BYTES, SCALE_BYTES, bar, self.evict_first)
 
 
-def compiled(stages: int, occupancy: int, arch: str = "sm_90a"):
+def compiled(stages: int, occupancy: int, chunks: int = 1, evict_first: bool = False, arch: str = "sm_90a"):
     from cutlass import runtime as crt
     from cutlass.cute.runtime import make_fake_compact_tensor
 
@@ -120,19 +123,19 @@ def compiled(stages: int, occupancy: int, arch: str = "sm_90a"):
     src = make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=16)
     out = make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=16)
     return compile_kernel(
-        StreamProbe(stages, occupancy),
+        StreamProbe(stages, occupancy, chunks, evict_first),
         src,
         out,
         Int32(1),
         Int32(1),
         crt.make_fake_stream(),
         arch=arch,
-        name=f"stream_probe_s{stages}_o{occupancy}",
+        name=f"stream_probe_s{stages}_o{occupancy}_c{chunks}{'_ef' if evict_first else ''}",
     )
 
 
-# (name, CTAs, windows per CTA, CTAs per SM its shared memory allows, stages): the layer's W1 / W2 grids at small T
-# on an EP8 rank (H200, 132 SMs), and the same bytes balanced over every SM slot
+# (name, CTAs, windows per CTA, CTAs per SM its shared memory allows, stages[, bulk copies per window's weights]):
+# the layer's W1 / W2 grids at small T on an EP8 rank (H200, 132 SMs), and the same bytes balanced over every SM slot
 SHAPES = [
     ("v4flash_t1_w1_ksplit", 224, 16, 2, 5),  # 7 experts x 16 tiles x 2 K splits
     ("v4flash_t1_w1_ksplit_s3", 224, 16, 2, 3),
@@ -146,46 +149,84 @@ SHAPES = [
     ("v4flash_t8_w1", 432, 32, 2, 6),  # 27 experts x 16 tiles: 1.6 waves
     ("v4flash_t32_w1", 528, 32, 2, 5),  # 33 x 16: two waves
     ("steady_264x64", 264, 64, 2, 6),  # long streams: the pipeline's steady rate
+    ("steady_264x64_chunks4", 264, 64, 2, 6, 4),  # the same, each window's weights in four 4 KB copies
+    ("steady_132x128", 132, 128, 1, 12),
+    ("steady_396x43", 396, 43, 3, 4),
+    ("steady_528x32", 528, 32, 2, 6),  # two waves of the same bytes
+    # a persistent layer: W1 + W2's bytes (V4-Flash T = 1: 5,440 windows; V3 T = 1: 12,240) over every slot evenly
+    ("v4flash_t1_layer_balanced_264", 264, 21, 2, 5),
+    ("v4flash_t1_layer_balanced_132", 132, 41, 1, 12),
+    ("v3_t1_layer_balanced_264", 264, 46, 2, 5),
+    ("v3_t1_layer_balanced_132", 132, 93, 1, 12),
 ]
 
 
 def main() -> None:
     from gcmoe_core.cutedsl import as_cute
-    from gcmoe_core.timing import copy_bandwidth, time_gpu
+    from gcmoe_core.timing import L2_FLUSHES, ColdL2, capture_graph, copy_bandwidth, time_once
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--flush", nargs="+", default=["write", "read"], choices=L2_FLUSHES)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
+    flushes = {m: ColdL2(dev, m) for m in args.flush}
     rows = []
-    for name, ctas, windows, occupancy, stages in SHAPES:
-        k = compiled(stages, occupancy)
+    for name, ctas, windows, occupancy, stages, *chunks in SHAPES:
+        kernels = {
+            "probe": compiled(stages, occupancy, *chunks),
+            "probe_ef": compiled(stages, occupancy, *chunks or [1], True),
+        }
         nbytes = ctas * windows * WINDOW_BYTES
         src = torch.randint(0, 1 << 30, (nbytes // 4,), dtype=torch.int32, device=dev)
         out = torch.zeros(ctas * THREADS // 32, dtype=torch.int32, device=dev)
+        red = torch.zeros((), dtype=torch.int32, device=dev)
         operands = (as_cute(src), as_cute(out), Int32(windows), Int32(ctas))
-        # (the stream at call time: the capture's)
-        run = lambda k=k, a=operands: k(*a, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-        t = time_gpu(run, iters=args.iters, warmup=2, graph=True, cold_l2=True)["median_us"]
+        # probe_ef: the same with the evict_first L2 hint on every bulk copy. (The stream at call time: the capture's.)
+        graphs = {
+            v: capture_graph(
+                lambda k=k, a=operands: k(*a, cuda.CUstream(torch.cuda.current_stream().cuda_stream)), 2, dev
+            )[0]
+            for v, k in kernels.items()
+        }
+        # the same bytes read by torch's reduction kernel (vectorised loads, no shared memory): a reference reader
+        graphs["torch_amax"] = capture_graph(lambda s=src, r=red: torch.amax(s, dim=0, out=r), 2, dev)[0]
+        torch.cuda.synchronize()
+        times = {(v, m): [] for v in graphs for m in flushes}
+        for _ in range(args.iters):
+            for (v, m), ts in times.items():
+                ts.append(time_once(graphs[v].replay, flushes[m]))
+        out.zero_()
+        graphs["probe_ef"].replay()  # (the last replays were the hint's: both kernels' read-back checked)
+        torch.cuda.synchronize()
+        ok_ef = out.clone()
+        out.zero_()
+        graphs["probe"].replay()
+        torch.cuda.synchronize()
         expect = src.view(ctas, windows, WINDOW_BYTES // 4)[:, :, : THREADS // 32].sum(1, dtype=torch.int64)
-        ok = bool(torch.equal(out.view(ctas, -1).to(torch.int64), (expect + (1 << 31)) % (1 << 32) - (1 << 31)))
+        expect = (expect + (1 << 31)) % (1 << 32) - (1 << 31)
+        ok = all(torch.equal(o.view(ctas, -1).to(torch.int64), expect) for o in (out, ok_ef))
+        floor_us = nbytes / bw * 1e6
         row = dict(
             shape=name,
             ctas=ctas,
             windows=windows,
             occupancy=occupancy,
             stages=stages,
+            chunks=(chunks or [1])[0],
             mb=round(nbytes / 1e6, 1),
-            us=round(t, 1),
-            tb_s=round(nbytes / t / 1e6, 2),
-            x_copy_floor=round(t / (nbytes / bw * 1e6), 2),
+            floor_us=round(floor_us, 1),
             read_back_ok=ok,
         )
+        for (v, m), ts in times.items():
+            t = statistics.median(ts)
+            row[f"{v}_{m}_us"] = round(t, 1)
+            row[f"{v}_{m}_x_floor"] = round(t / floor_us, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del src, out
+        del src, out, graphs
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), copy_tb_s=bw / 1e12, rows=rows), f, indent=1)

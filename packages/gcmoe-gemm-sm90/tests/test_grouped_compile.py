@@ -64,6 +64,7 @@ VARIANTS += GPT_OSS_VARIANTS
         else f"n{v.n_tile}s{v.stages}p{v.prefetch}o{v.occupancy}sp{v.splits[0]}{v.splits[1]}"
         f"{'' if v.warpgroups == 2 else 'wg4'}{'ring' if v.ring else ''}{'sk' if v.stream_k else ''}"
         f"{'clamp' if v.activation == 'swiglu_clamped' else ''}{'bias' if v.bias else ''}"
+        f"{'ef' if v.evict_first else ''}"
     ),
 )
 def test_grouped_kernel_sass(mode, m, k, cfg):
@@ -78,6 +79,9 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
     assert "PRMT" in ops and "UTMALDG.2D" in ops
     # weights: one bulk copy per window into the stage, 16-byte shared loads, no global loads
     assert "UBLKCP.S.G" in ops and "LDS.128" in ops and "LDG.E.128" not in ops
+    # the L2 evict_first hint (a cache-policy operand on every weight / scale bulk copy) exactly where configured
+    copies = [ln for ln in sass.splitlines() if "UBLKCP.S.G" in ln]
+    assert copies and all(("desc[" in ln) == cfg.evict_first for ln in copies)
     if cfg.ring:  # bounded acquires of the comm signals: acquire loads polled against %globaltimer, a nanosleep
         assert any(o.startswith("LDG.E.STRONG.GPU") for o in ops) and "NANOSLEEP" in ops
         assert any(o.startswith("CS2R") for o in ops) or "S2UR" in ops

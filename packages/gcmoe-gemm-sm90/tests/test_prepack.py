@@ -143,6 +143,10 @@ def test_k_splits_stages_and_shared_memory():
     assert sk == {"v3": True, "v4": False, "glm5": True, "glm45": False}
     assert not any(choose_config(t, 8, 32, 7168, 2048, 132, 1).stream_k for t in (2, 8, 32, 256))
     assert not choose_config(1, 8, 32, 7168, 2048).stream_k  # no shared expert: 128 tiles <= 132 SMs
+    # the L2 evict_first hint on the weight streams at one token per rank only (measured faster there on every shape)
+    for k, h, i in shapes.values():
+        assert choose_config(1, k, 32, h, i, 132, 1).evict_first
+        assert not any(choose_config(t, k, 32, h, i, 132, 1).evict_first for t in (2, 8, 32, 256))
     with pytest.raises(ValueError, match="stream_k"):
         Sm90Config(splits=(2, 1), stream_k=True)
     four = with_splits(one, (4, 4), 7168, 2048)  # more partial buffers in the leader: fewer stages

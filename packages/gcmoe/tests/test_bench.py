@@ -287,7 +287,13 @@ def test_gpu_branch_of_a_point_on_a_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(bench, "_wait_device", lambda timeout_s: None)
     monkeypatch.setattr(bench, "capture_graph", fake_capture)
-    monkeypatch.setattr(bench, "time_interleaved", lambda runs, iters, dev, flush: {k: medians[k] for k in runs})
+    monkeypatch.setattr(bench, "_gpu_sleep", lambda: lambda: True)  # (no device to keep busy)
+    flushes = []
+    monkeypatch.setattr(
+        bench,
+        "time_interleaved",
+        lambda runs, iters, dev, flush: flushes.append(flush) or {k: medians[k] for k in runs},
+    )
     monkeypatch.setattr(bench, "HOST_CALLS", 3)
     cfg = MoEConfig(512, 256, 16, 4, 1, max_tokens_per_rank=8)
     weights = make_weights(cfg, seed=9)
@@ -302,7 +308,8 @@ def test_gpu_branch_of_a_point_on_a_cpu(monkeypatch):
     }
     names = [*loaded, "absent_peer"]
     bw = 4.0e12
-    recs = bench._run_point(m, routed, 3, names, loaded, {"absent_peer": "absent: needs x"}, 2, 0, bw, True)
+    recs = bench._run_point(m, routed, 3, names, loaded, {"absent_peer": "absent: needs x"}, 2, 0, bw, True, "read")
+    assert flushes == ["read"]  # the run's L2 flush reaches the timing
     by = {r["variant"]: r for r in recs}
     assert captured == {"stream": 3}  # the three graph-able variants, all on the model's one capture stream
     active = by["partitioned"]["active_experts"]
@@ -320,7 +327,7 @@ def test_gpu_branch_of_a_point_on_a_cpu(monkeypatch):
     assert lead["speedup_vs_sequential"] == 1.5 and lead["speedup_vs_routed_peer"] == 1.2
     assert lead["speedup_vs_torch_fp8"] == 4.0 and "speedup_vs_absent_peer" not in lead
     host = lead["host"]
-    assert host["calls"] == 3 and host["graph_loop_us"] > 0
+    assert host["calls"] == 3 and host["graph_loop_us"] > 0 and host["host_us_check0"] > 0
     assert host["host_overhead_us"] == host["eager_loop_us_check1"] - host["graph_loop_us"]
 
 
@@ -341,12 +348,24 @@ def test_host_overhead_sets_the_value_check_flag_per_loop(monkeypatch):
         def replay(self):
             Graph.replays += 1
 
-    out = bench.host_overhead(layer, None, None, None, Graph(), calls=5, sync=lambda: syncs.append(1))
-    assert seen == ["1"] * 7 + ["0"] * 7  # two warm-up calls, then the timed ones, per flag
-    assert Graph.replays == 7 and len(syncs) == 6  # one sync after the warm-up and one at the end, per loop
+    monkeypatch.setattr(bench, "HOST_ONLY_CALLS", 3)
+    queued = []  # the host-only loops: the device work queued ahead, and whether it still runs after the last call
+
+    def busy():
+        queued.append(len(seen))
+        return lambda: len(seen) - queued[-1] == 3  # still busy once the loop's 3 calls are made (no call waited)
+
+    out = bench.host_overhead(layer, None, None, None, Graph(), calls=5, sync=lambda: syncs.append(1), busy=busy)
+    # per flag: two warm-up calls and 5 timed ones, two warm-up calls and 3 queued behind the busy work, 3 single
+    assert seen == ["1"] * 15 + ["0"] * 15
+    assert queued == [9, 24]  # the busy work is queued after the host loop's warm-up, before its timed calls
+    # per loop one sync after its warm-up and one at its end; per flag one before each single call and one after
+    assert Graph.replays == 7 and len(syncs) == 2 + 2 * (2 + 2 + 4)
     assert os.environ["GCMOE_CHECK_VALUES"] == "1"
     assert out["calls"] == 5 and all(out[k] > 0 for k in ("eager_loop_us_check1", "eager_loop_us_check0"))
     assert out["host_overhead_us"] == out["eager_loop_us_check1"] - out["graph_loop_us"]
+    assert out["host_only_calls"] == 3 and all(out[f"host{m}_us_check{f}"] > 0 for f in "10" for m in ("", "_idle"))
+    assert out["host_device_busy_check1"] is True and out["host_device_busy_check0"] is True
 
 
 def _gpu_like_result() -> dict:

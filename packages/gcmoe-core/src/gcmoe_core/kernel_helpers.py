@@ -7,7 +7,8 @@ cvt_bf16x2(hi, lo)             two fp32 -> two bf16 (RNE) in one 32-bit word, lo
 fmin_nan / fmax_nan(a, b)      min / max that return NaN when either operand is NaN (PTX min.NaN / max.NaN, sm_80+;
                                cute.arch.fmin / fmax return the other operand, so a clamp would hide a NaN)
 bulk_copy_g2s(dst, src, n, mbar)  n bytes global -> this CTA's shared memory by the bulk-copy engine (no tensor map),
-                               completing n bytes of transaction on the mbarrier at shared address mbar
+                               completing n bytes of transaction on the mbarrier at shared address mbar;
+                               evict_first=True: the lines it brings into L2 are the first L2 evicts (data read once)
 st_cluster_f32(addr, rank, v)  store v at shared address addr of CTA `rank` of this cluster (distributed shared memory)
 ld_cluster_u32(addr, rank)     the 32-bit word at shared address addr of CTA `rank` of this cluster
 fp8_pow2_exponent(amax)        e of the power-of-two FP8 scale, smallest 2^e with amax <= 448 * 2^e, in [-126, 126]
@@ -83,11 +84,20 @@ def fmax_nan(a, b, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def bulk_copy_g2s(smem_dst, gmem_src, nbytes, mbar, *, loc=None, ip=None):
+def bulk_copy_g2s(smem_dst, gmem_src, nbytes, mbar, evict_first=False, *, loc=None, ip=None):
     """cp.async.bulk of nbytes (a multiple of 16; both addresses 16-byte aligned) from global address gmem_src to the
     shared address smem_dst of this CTA, signalling complete_tx on the mbarrier at shared address mbar. One thread
-    issues it; the mbarrier must expect the bytes (arrive.expect_tx) in the same phase."""
+    issues it; the mbarrier must expect the bytes (arrive.expect_tx) in the same phase.
+    evict_first (compile-time): an L2 cache hint (createpolicy evict_first, fraction 1): L2 replaces these lines
+    before any other, so a stream read once does not push out what L2 held (dirty lines that would cost a write to
+    HBM each, or data a later kernel reads)."""
     text = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];"
+    if evict_first:
+        text = (
+            "{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+            " [$0], [$1], $2, [$3], pol;\n}"
+        )
     args = [Int32(smem_dst), cutlass.Int64(gmem_src), Int32(nbytes), Int32(mbar)]
     inline_ptx(None, args, text, "r,l,r,r,~{memory}", loc, ip)
 

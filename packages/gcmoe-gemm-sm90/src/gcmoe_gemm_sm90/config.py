@@ -89,6 +89,7 @@ class Sm90Config:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     bias: bool = False
+    evict_first: bool = False  # the weight / scale bulk copies carry an L2 evict_first hint (read once)
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:
@@ -189,7 +190,12 @@ def choose_config(
     # 86.0), 0.90-0.96x at T = 2 on three shapes (H200, 2026-11-30, tools/gpu/split_sweep.py --sweep stream_k,
     # docs/benchmarks/stream-k-h200-2026-11-30.md)
     stream_k = tokens_per_rank == 1 and splits[0] == 1 and sms < w1_tiles <= slots
-    return with_splits(replace(cfg, stream_k=stream_k), (splits[0], splits[1]), hidden, inter)
+    # the weight streams' L2 evict_first hint at one token per rank: the public layer faster on all three shapes
+    # measured, in both cold-L2 flushes (write / read: DeepSeek-V4-Flash 1.08-1.09x / 1.01x, GLM-5 1.03-1.04x / 1.01x,
+    # DeepSeek-V3 1.00-1.02x / 1.01x); from T = 2 on it measured 0.97-1.05x, mostly below 1 (H200, 2026-12-01,
+    # tools/gpu/split_sweep.py --sweep evict_first, docs/benchmarks/l2-hint-h200-2026-12-01.md)
+    cfg = replace(cfg, stream_k=stream_k, evict_first=tokens_per_rank == 1)
+    return with_splits(cfg, (splits[0], splits[1]), hidden, inter)
 
 
 def n_tile_for(expected: float) -> int:

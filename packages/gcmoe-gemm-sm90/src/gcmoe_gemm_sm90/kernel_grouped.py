@@ -740,9 +740,10 @@ class GroupedGemmSm90:
             # producer_acquire waits on that barrier (try_wait, acquire) before this copy is issued; the RAW side by
             # the full mbarrier the copy completes (complete_tx) and consumer_wait waits on. racecheck does not model
             # mbarriers (memcheck / synccheck are clean, values exact in every test)
-            bulk_copy_g2s(w_dst + stage * WINDOW_WEIGHT_BYTES, w_src, WINDOW_WEIGHT_BYTES, bar)
+            hint = self.cfg.evict_first
+            bulk_copy_g2s(w_dst + stage * WINDOW_WEIGHT_BYTES, w_src, WINDOW_WEIGHT_BYTES, bar, hint)
             # racecheck-ordered: as above (the stage's empty / full mbarriers)
-            bulk_copy_g2s(s_dst + stage * WINDOW_SCALE_BYTES, s_src, WINDOW_SCALE_BYTES, bar)
+            bulk_copy_g2s(s_dst + stage * WINDOW_SCALE_BYTES, s_src, WINDOW_SCALE_BYTES, bar, hint)
 
     @cute.jit
     def produce_acts(

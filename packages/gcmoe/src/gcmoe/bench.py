@@ -30,7 +30,11 @@ Per point also:
     speedup_vs_<v>  on the partitioned record: median(v) / median(partitioned)
     host            on the partitioned record: 200 eager calls back to back, one sync at the end, per-call µs with
                     GCMOE_CHECK_VALUES=1 and =0 (gcmoe.moe reads it per call), next to 200 back-to-back replays of
-                    the bench's graph; their difference is Python and launch cost per call
+                    the bench's graph; their difference is Python and launch cost per call; and the host time
+                    alone (host_us_check1 / _check0): 50 eager calls queued behind a 50 ms sleep kernel, so none
+                    waits for the device (host_device_busy_* says the device was still busy after the last one:
+                    with checks on each call waits for the previous call's publish, so it is not), and the median
+                    of 50 single calls each made on an idle device (host_idle_us_*)
 
 CPU (no GPU): the reference backend on a small grid (deepseek-v4-flash, T 1 and 4) — the layer called eagerly and
 the torch_fp8 baseline on its per-expert loop — wall-clock medians of interleaved runs, no floor; the same JSON,
@@ -56,7 +60,7 @@ import torch
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.reference import MoEWeights, moe_reference
 from gcmoe_core.testing import calc_diff, make_tokens, make_weights
-from gcmoe_core.timing import capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
+from gcmoe_core.timing import L2_FLUSHES, capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
 
 from . import peers
 from .baselines import TorchFp8MoE
@@ -68,6 +72,7 @@ CPU_MODELS = ("deepseek-v4-flash",)
 CPU_TOKENS = (1, 4)
 GPU_ITERS, CPU_ITERS = 30, 3
 HOST_CALLS = 200
+HOST_ONLY_CALLS, HOST_SLEEP_MS = 50, 50.0  # host time alone: 50 eager calls queued behind a 50 ms sleep kernel
 FIRST_CALL_TIMEOUT_S = 120.0  # a first launch still running after this is a hang: the run stops there
 L2_FLUSH = "write"
 LAYER_WORK = "layer (routed + shared experts)"
@@ -264,16 +269,70 @@ def _loop_us(fn: Callable[[], object], calls: int, sync: Callable[[], object]) -
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def _gpu_sleep(ms: float = HOST_SLEEP_MS) -> Callable[[], bool]:
+    """Queue a kernel that spins for at least `ms` ms on the current stream (torch.cuda._sleep, cycles at the
+    highest clock); returns a check: is it still running?"""
+    ev = torch.cuda.Event()
+    torch.cuda._sleep(int(ms * 1e-3 * 2.0e9))
+    ev.record()
+    return lambda: not ev.query()
+
+
+def _host_us(fn: Callable[[], object], calls: int, sync: Callable[[], object], busy: Callable[[], Callable]) -> tuple:
+    """Host µs per call, the device kept busy: `busy` queues device work ahead of the calls (a sleep kernel) so no
+    call can wait for the device to drain; (µs per call, whether the device was still busy when the last call
+    returned: if not, a call waited for it and the time is an upper bound)."""
+    fn()
+    fn()
+    sync()
+    running = busy()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    still = bool(running())
+    sync()
+    return us, still
+
+
+def _host_idle_us(fn: Callable[[], object], calls: int, sync: Callable[[], object]) -> float:
+    """Median host µs of one call made with the device idle (synchronised before each): nothing of an earlier call
+    is still pending, so a call that would wait for one (the value check waits for the previous call's publish)
+    does not."""
+    times = []
+    for _ in range(calls):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    sync()
+    return statistics.median(times)
+
+
 def host_overhead(
-    layer: Callable, x, ids, w, graph=None, calls: int = HOST_CALLS, sync: Callable[[], object] | None = None
+    layer: Callable,
+    x,
+    ids,
+    w,
+    graph=None,
+    calls: int = HOST_CALLS,
+    sync: Callable[[], object] | None = None,
+    busy: Callable[[], Callable] | None = None,
 ) -> dict:
     """Eager-call cost of the layer, with GCMOE_CHECK_VALUES=1 and =0, next to back-to-back replays of a graph of
-    the same call (graph: a CUDAGraph or None). sync: the synchronisation at the end (default: the CUDA device's)."""
+    the same call (graph: a CUDAGraph or None). sync: the synchronisation at the end (default: the CUDA device's).
+    Also the host time alone: HOST_ONLY_CALLS calls queued behind `busy` (default: a sleep kernel), per call, and
+    the median of as many single calls on an idle device."""
     sync = sync or torch.cuda.synchronize
-    out: dict = {"calls": calls}
+    busy = busy or _gpu_sleep
+    out: dict = {"calls": calls, "host_only_calls": HOST_ONLY_CALLS}
     for flag in ("1", "0"):
         with _env("GCMOE_CHECK_VALUES", flag):
             out[f"eager_loop_us_check{flag}"] = _loop_us(lambda: layer(x, ids, w), calls, sync)
+            us, still = _host_us(lambda: layer(x, ids, w), HOST_ONLY_CALLS, sync, busy)
+            out[f"host_us_check{flag}"] = us
+            out[f"host_device_busy_check{flag}"] = still
+            out[f"host_idle_us_check{flag}"] = _host_idle_us(lambda: layer(x, ids, w), HOST_ONLY_CALLS, sync)
     if graph is not None:
         out["graph_loop_us"] = _loop_us(graph.replay, calls, sync)
         out["host_overhead_us"] = out["eager_loop_us_check1"] - out["graph_loop_us"]
@@ -335,9 +394,13 @@ def run(
     device=None,
     seed: int = 0,
     reproduce: str = "",
+    l2_flush: str = L2_FLUSH,
 ) -> dict:
     """Measure the grid; returns {"meta": ..., "records": [...]} (one record per model, T and variant).
-    models: names of gcmoe_core.config.MODEL_SHAPES, or "custom:H,I,E,top_k,shared" (a world-size-1 layer)."""
+    models: names of gcmoe_core.config.MODEL_SHAPES, or "custom:H,I,E,top_k,shared" (a world-size-1 layer).
+    l2_flush: how L2 is made cold before every run (gcmoe_core.timing.L2_FLUSHES): "write" leaves up to L2's size of
+    dirty lines that the run's own reads then evict (what triton's and DeepGEMM's benchmarks do); "read" leaves
+    clean lines (as a decode step's attention, which reads the KV cache, leaves L2)."""
     from tqdm import tqdm
 
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -348,6 +411,8 @@ def run(
     tokens = list(tokens or (TOKENS if gpu else CPU_TOKENS))
     variants = list(variants or (GPU_VARIANTS if gpu else CPU_VARIANTS))
     validate(models, tokens, variants, ep)
+    if l2_flush not in L2_FLUSHES:
+        raise ValueError(f"gcmoe bench: l2_flush must be one of {L2_FLUSHES}, got {l2_flush!r}")
     iters = iters or (GPU_ITERS if gpu else CPU_ITERS)
     max_tokens = max(256, max(tokens))
     bw = copy_bandwidth(dev) if gpu else None
@@ -355,12 +420,13 @@ def run(
         **_driver(),
         device_kind=str(dev),
         method=(
-            f"variants interleaved, cold L2 ({L2_FLUSH} flush of 4x L2) before every run, median of {iters}; "
+            f"variants interleaved, cold L2 ({l2_flush} flush of 4x L2) before every run, median of {iters}; "
             "graph-able variants as CUDA-graph replays"
             if gpu
             else f"CPU wall clock, variants interleaved, median of {iters} (no floor: no GPU)"
         ),
         iters=iters,
+        l2_flush=l2_flush if gpu else None,
         ep=ep,
         models=models,
         tokens=tokens,
@@ -380,7 +446,9 @@ def run(
     bar = tqdm(total=len(models) * len(tokens), desc="gcmoe bench", file=sys.stderr, dynamic_ncols=True)
     try:
         for model in models:
-            _run_model(model, tokens, variants, ep, max_tokens, iters, backend, dev, seed, bw, meta, records, bar)
+            _run_model(
+                model, tokens, variants, ep, max_tokens, iters, backend, dev, seed, bw, meta, records, bar, l2_flush
+            )
     except DeviceHang as e:  # nothing more can run on the device (nor be torn down): report what was measured
         meta["aborted"] = f"{e}; the records before it are complete"
     finally:
@@ -390,7 +458,9 @@ def run(
     return {"meta": meta, "records": records}
 
 
-def _run_model(model, tokens, variants, ep, max_tokens, iters, backend, dev, seed, bw, meta, records, bar) -> None:
+def _run_model(
+    model, tokens, variants, ep, max_tokens, iters, backend, dev, seed, bw, meta, records, bar, flush
+) -> None:
     gpu = dev.type == "cuda"
     bar.set_postfix_str(f"{model}: weights")
     cfg = _model_config(model, ep, max_tokens)
@@ -421,7 +491,7 @@ def _run_model(model, tokens, variants, ep, max_tokens, iters, backend, dev, see
     try:
         for t in tokens:
             bar.set_postfix_str(f"{model} T={t}")
-            records += _run_point(m, routed_weights, t, variants, loaded, load_error, iters, seed, bw, gpu)
+            records += _run_point(m, routed_weights, t, variants, loaded, load_error, iters, seed, bw, gpu, flush)
             bar.update()
     except DeviceHang:
         hung = True  # a hung device can neither free nor synchronise: leave everything as it is
@@ -438,7 +508,7 @@ def _run_model(model, tokens, variants, ep, max_tokens, iters, backend, dev, see
                 torch.cuda.empty_cache()
 
 
-def _run_point(m: Model, routed_weights, t, variants, loaded, load_error, iters, seed, bw, gpu) -> list[dict]:
+def _run_point(m: Model, routed_weights, t, variants, loaded, load_error, iters, seed, bw, gpu, flush) -> list[dict]:
     cfg, dev = m.cfg, m.device
     x, ids, w = make_tokens(cfg, t, seed=seed + 1000 + t, device=dev)
     active = int(torch.unique(ids).numel())
@@ -491,7 +561,7 @@ def _run_point(m: Model, routed_weights, t, variants, loaded, load_error, iters,
                 with contextlib.suppress(Exception):
                     torch.cuda.synchronize()
     try:
-        times = time_interleaved(runs, iters, dev, L2_FLUSH) if gpu else _time_cpu(runs, iters)
+        times = time_interleaved(runs, iters, dev, flush) if gpu else _time_cpu(runs, iters)
     except Exception as e:
         times = {}
         for name in runs:
@@ -574,17 +644,22 @@ def markdown(result: dict) -> str:
             "one sync at the end, per call; hot L2):",
             "",
             "| model | T | graph replay µs (cold L2) | graph replays µs/call | eager µs/call, checks on | "
-            "eager µs/call, checks off | eager − graph µs |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "eager µs/call, checks off | eager − graph µs | host µs/call, device busy: checks on | checks off | "
+            "host µs, one call on an idle device: checks on | checks off |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in host:
             h = r["host"]
             cells = [r["model"], r["tokens"], _fmt(r.get("median_us"), ".1f")]
             if "error" in h:
-                cells += [f"error: {h['error']}", "", "", ""]
+                cells += [f"error: {h['error']}", *[""] * 7]
             else:
                 keys = ("graph_loop_us", "eager_loop_us_check1", "eager_loop_us_check0", "host_overhead_us")
                 cells += [_fmt(h.get(k), ".1f") for k in keys]
+                for flag in "10":  # host time alone; marked where the device drained (a call waited: upper bound)
+                    busy = h.get(f"host_device_busy_check{flag}", True)
+                    cells.append(_fmt(h.get(f"host_us_check{flag}"), ".1f") + ("" if busy else " (waited)"))
+                cells += [_fmt(h.get(f"host_idle_us_check{flag}"), ".1f") for flag in "10"]
             lines.append(_row(cells))
     return "\n".join(lines) + "\n"
 
@@ -660,13 +735,21 @@ def run_bench(
     md_path: str | None = None,
     plot_path: str | None = None,
     argv: list[str] | None = None,
+    l2_flush: str = L2_FLUSH,
 ) -> int:
     """The `gcmoe bench` command: measure, print the markdown table, write the files asked for. 0 unless the run had
     to stop (a hung launch: exit code 3, after writing what it has)."""
     import json
 
     result = run(
-        models, tokens, ep=ep, variants=variants, iters=iters, backend=backend, reproduce=reproduce_command(argv)
+        models,
+        tokens,
+        ep=ep,
+        variants=variants,
+        iters=iters,
+        backend=backend,
+        reproduce=reproduce_command(argv),
+        l2_flush=l2_flush,
     )
     meta = result["meta"]
     backends = "; ".join(f"{m}: {', '.join(b) or 'none'}" for m, b in meta["layer_backends"].items())

@@ -211,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"timed runs per variant and point (default {bench.GPU_ITERS}; CPU {bench.CPU_ITERS})",
     )
+    p_bench.add_argument(
+        "--l2-flush",
+        default=bench.L2_FLUSH,
+        choices=list(bench.L2_FLUSHES),
+        help=f"how L2 is made cold before each run: write (dirty lines left, as triton's and DeepGEMM's benchmarks) or "
+        f"read (clean lines, as after a decode step's attention); default {bench.L2_FLUSH}",
+    )
     p_bench.add_argument("--json", metavar="PATH", default=None, help="also write the records as JSON to PATH")
     p_bench.add_argument("--markdown", metavar="PATH", default=None, help="also write a markdown table to PATH")
     p_bench.add_argument("--plot", metavar="PATH", default=None, help="also write a PNG plot (time / floor vs T)")
@@ -249,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             json_path=args.json,
             md_path=args.markdown,
             plot_path=args.plot,
+            l2_flush=args.l2_flush,
             argv=sys.argv[1:] if argv is None else argv,
         )
     if args.cmd == "tune" and tune is not None:
