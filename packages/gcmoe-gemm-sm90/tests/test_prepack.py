@@ -143,10 +143,17 @@ def test_k_splits_stages_and_shared_memory():
     assert sk == {"v3": True, "v4": False, "glm5": True, "glm45": False}
     assert not any(choose_config(t, 8, 32, 7168, 2048, 132, 1).stream_k for t in (2, 8, 32, 256))
     assert not choose_config(1, 8, 32, 7168, 2048).stream_k  # no shared expert: 128 tiles <= 132 SMs
-    # the L2 evict_first hint on the weight streams at one token per rank only (measured faster there on every shape)
-    for k, h, i in shapes.values():
-        assert choose_config(1, k, 32, h, i, 132, 1).evict_first
-        assert not any(choose_config(t, k, 32, h, i, 132, 1).evict_first for t in (2, 8, 32, 256))
+    # the L2 evict_first hint on the weight streams where the layer streams <= 280 MB at T <= 4 (measured faster on
+    # every such point, slower from 301 MB at T = 2-64): T = 1 everywhere, V4-Flash / GLM-4.5 up to T = 4
+    ef = {
+        n: [
+            t
+            for t in (1, 2, 4, 8, 32, 256)
+            if choose_config(t, k, 20 if n == "glm45" else 32, h, i, 132, 1).evict_first
+        ]
+        for n, (k, h, i) in shapes.items()
+    }
+    assert ef == {"v3": [1], "v4": [1, 2, 4], "glm5": [1], "glm45": [1, 2, 4]}
     with pytest.raises(ValueError, match="stream_k"):
         Sm90Config(splits=(2, 1), stream_k=True)
     four = with_splits(one, (4, 4), 7168, 2048)  # more partial buffers in the leader: fewer stages
