@@ -67,7 +67,7 @@ WINDOW_SCALE_BYTES = TILE_M * 4  # its scale records, one int32 per weight row
 # 2026-11-29 (sm90-grouped-v7 runs S and R)
 ACTIVE_FIRST_BELOW = 0.5
 STREAM_K_STAGES = 4  # the most pipeline stages of a stream_k configuration (with_splits)
-EVICT_FIRST_MAX_BYTES, EVICT_FIRST_MAX_T = 280e6, 4  # where the weight streams carry the L2 evict_first hint
+EVICT_FIRST_MAX_BYTES, EVICT_FIRST_MAX_T = 280e6, 2  # where the weight streams carry the L2 evict_first hint
 SMEM_PER_SM = 228 * 1024  # H100 / H200: 227 KB usable by one CTA, 1 KB reserved per resident CTA
 
 
@@ -193,12 +193,12 @@ def choose_config(
     stream_k = tokens_per_rank == 1 and splits[0] == 1 and sms < w1_tiles <= slots
     # the weight streams' L2 evict_first hint at up to EVICT_FIRST_MAX_T tokens per rank where the layer streams at
     # most EVICT_FIRST_MAX_BYTES of weights (the expected active experts): a short stream then leaves L2's earlier
-    # lines in place instead of writing dirty ones back while it runs. The public layer with the hint, side by side
-    # (write / read flush; H200, 2026-12-01, tools/gpu/split_sweep.py --sweep evict_first,
-    # docs/benchmarks/l2-hint-h200-2026-12-01.md): every point of <= 255 MB faster (DeepSeek-V4-Flash T = 1 / 2 / 4
-    # 1.08-1.09x / 1.01x, 1.05x / 1.01x, 1.03x write; GLM-5 T = 1 1.03-1.04x / 1.01x; DeepSeek-V3 T = 1 1.00-1.02x /
-    # 1.01x); from 301 MB on 0.97-1.00x in the write flush at T = 2-64 (GLM-5 T = 2 / 4, V3 T = 2 / 4, V4-Flash
-    # T = 8 on); larger T and few bytes (GLM-4.5's 21 experts of 12.5 MB) not measured, so left off
+    # lines in place instead of writing dirty ones back while it runs. The public layer with the hint vs without, side
+    # by side (H200, 2026-12-01, tools/gpu/split_sweep.py --sweep evict_first, three runs, write / read flush;
+    # docs/benchmarks/l2-hint-h200-2026-12-01.md): T = 1 1.02-1.09x faster in the write flush on every shape and run
+    # (DeepSeek-V4-Flash, DeepSeek-V3, GLM-5, GLM-4.5), 0.98-1.03x in the read flush; T = 2 at <= 280 MB (V4-Flash
+    # 159 MB, GLM-4.5) 1.03-1.05x / 0.98-1.01x; T = 2-64 above 300 MB (V3, GLM-5) 0.97-1.00x in the write flush;
+    # T = 4 mixed (V4-Flash 1.03x / 1.00x write, 0.98x read), so left off
     weight_bytes = (
         (active + shared) * 3 * hidden * inter * (WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES) / (TILE_M * WINDOW_K)
     )
