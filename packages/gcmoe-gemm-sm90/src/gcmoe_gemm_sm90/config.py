@@ -195,10 +195,11 @@ def choose_config(
     # most EVICT_FIRST_MAX_BYTES of weights (the expected active experts): a short stream then leaves L2's earlier
     # lines in place instead of writing dirty ones back while it runs. The public layer with the hint vs without, side
     # by side (H200, 2026-12-01, tools/gpu/split_sweep.py --sweep evict_first, three runs, write / read flush;
-    # docs/benchmarks/l2-hint-h200-2026-12-01.md): T = 1 1.02-1.09x faster in the write flush on every shape and run
-    # (DeepSeek-V4-Flash, DeepSeek-V3, GLM-5, GLM-4.5), 0.98-1.03x in the read flush; T = 2 at <= 280 MB (V4-Flash
-    # 159 MB, GLM-4.5) 1.03-1.05x / 0.98-1.01x; T = 2-64 above 300 MB (V3, GLM-5) 0.97-1.00x in the write flush;
-    # T = 4 mixed (V4-Flash 1.03x / 1.00x write, 0.98x read), so left off
+    # docs/benchmarks/l2-hint-h200-2026-12-01.md): T = 1 1.00-1.09x faster in the write flush on every shape and run
+    # (DeepSeek-V4-Flash 1.05-1.09x, GLM-5 1.03-1.06x, GLM-4.5 1.04x, DeepSeek-V3 1.00-1.04x), 0.98-1.03x in the read
+    # flush; T = 2 at <= 280 MB (V4-Flash 159 MB, GLM-4.5) 1.03-1.05x / 0.98-1.01x; T = 2-64 above 300 MB (V3,
+    # GLM-5) 0.97-1.00x in the write flush (0.99-1.02x read); T = 4 mixed (V4-Flash 1.03x / 1.00x write, 0.98x
+    # read), so left off
     weight_bytes = (
         (active + shared) * 3 * hidden * inter * (WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES) / (TILE_M * WINDOW_K)
     )
