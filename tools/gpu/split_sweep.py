@@ -10,6 +10,7 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep stages       the chosen pipeline depth vs up to two stages fewer and more (bytes in flight per CTA)
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
+    --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
                                     [--l2-flush read] [--out DIR]
@@ -31,7 +32,9 @@ from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
 ap.add_argument(
-    "--sweep", choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first"), default="splits"
+    "--sweep",
+    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch"),
+    default="splits",
 )
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
 ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
@@ -70,6 +73,8 @@ for model in args.models:
             variants = {"chosen": chosen, "flipped": replace(chosen, evict_first=not chosen.evict_first)}
         elif args.sweep == "first":
             variants = {"chosen": chosen, "shared_last": chosen}
+        elif args.sweep == "l2_prefetch":
+            variants = {"chosen": chosen, "no_prefetch": chosen}
         elif args.sweep == "grid":
             variants = {"chosen": chosen, "full_grid": chosen}
             if chosen.n_tile <= 24:
@@ -89,6 +94,8 @@ for model in args.models:
                 plan.grid_rows = lambda bucket, kcfg: None
             if name == "shared_last":  # grid rows in expert order: the shared experts (the last ring experts) last
                 plan.first_row_expert = lambda: 0
+            if name == "no_prefetch":
+                plan.l2_prefetch = False
             layers.append(layer)
             fn = lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w)
             graphs[name], outs[name] = capture_graph(fn, warmup=2, stream=torch.cuda.Stream())

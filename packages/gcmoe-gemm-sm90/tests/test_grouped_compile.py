@@ -129,3 +129,16 @@ def test_epilogue_flags_are_off_by_default_and_add_code_only_when_set():
             assert loads[1] > loads[0]
         else:
             assert loads[1] >= loads[0] + 2  # route_w of its token columns and b2 of its output rows
+
+
+@pytest.mark.parametrize("ranges", [1, 8])
+def test_prefetch_kernel_sass(ranges):
+    """The L2 prefetch (kernel_prefetch): bulk L2 prefetches only — no loads into registers or shared memory, no
+    stores, no local memory."""
+    from gcmoe_gemm_sm90.kernel_prefetch import compiled
+
+    kern = compiled(ranges, "sm_90a")
+    ops = sass_opcodes(kern.sass())
+    assert "UBLKPF.L2" in ops
+    assert not any(o.startswith(("LDG", "STG", "LDS", "STS", "UBLKCP", "UTMALDG", "ATOM", "RED")) for o in ops), ops
+    assert kern.resources()["LOCAL"] == 0

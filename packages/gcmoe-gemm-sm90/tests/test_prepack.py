@@ -288,3 +288,27 @@ def test_bench_variants_are_valid_configs():
                 assert can_implement(m, k, 32, cfg, splits=sp) is None, (name, tokens, cfg)
     with pytest.raises(ValueError, match="unknown variant"):
         variant_config("n12", choose_config(8, 8, 32), 7168, 2048)
+
+
+def test_shared_w1_ranges_cover_each_shared_experts_w1_and_nothing_else():
+    """The prefetch's ranges: per shared expert (appended after the routed ones) its W1 weights and scale records,
+    each the contiguous bytes of that expert in the prepacked tensors; none for a layer without shared experts."""
+    from gcmoe_gemm_sm90.ops import prefetch_l2
+
+    cfg = MoEConfig(512, 256, 6, 2, num_shared_experts=2, max_tokens_per_rank=8)
+    _, _, _, weights, _ = make_problem(Case(cfg, 3, "uniform", seed=1))
+    moe = MoESm90.from_weights(weights)
+    ranges = moe.shared_w1_ranges()
+    data, scales = moe.w13.data, moe.w13.scales
+    want = []
+    for e in (6, 7):
+        want += [(data[e].data_ptr(), data[e].numel()), (scales[e].data_ptr(), scales[e].numel() * 4)]
+    assert ranges == want
+    assert data[7].data_ptr() + data[7].numel() == data.data_ptr() + data.numel()  # the last one ends the tensor
+    assert all(a % 16 == 0 and n % 16 == 0 for a, n in ranges)
+    plain = MoESm90.from_weights(make_problem(Case(cfg.replace(num_shared_experts=0), 3, "uniform", seed=1))[3])
+    assert plain.shared_w1_ranges() == []
+    # the launcher refuses what the bulk prefetch cannot take, before anything is compiled or launched
+    for bad in ([], [(16, 8)], [(8, 16)], [(16, 0)], [(16, 16)] * 9):
+        with pytest.raises(ValueError, match="prefetch_l2"):
+            prefetch_l2(bad)

@@ -9,6 +9,7 @@ fmin_nan / fmax_nan(a, b)      min / max that return NaN when either operand is 
 bulk_copy_g2s(dst, src, n, mbar)  n bytes global -> this CTA's shared memory by the bulk-copy engine (no tensor map),
                                completing n bytes of transaction on the mbarrier at shared address mbar;
                                evict_first=True: the lines it brings into L2 are the first L2 evicts (data read once)
+bulk_prefetch_l2(src, n)        n bytes of global memory from src into L2 (fire and forget: nothing waits for it)
 st_cluster_f32(addr, rank, v)  store v at shared address addr of CTA `rank` of this cluster (distributed shared memory)
 ld_cluster_u32(addr, rank)     the 32-bit word at shared address addr of CTA `rank` of this cluster
 fp8_pow2_exponent(amax)        e of the power-of-two FP8 scale, smallest 2^e with amax <= 448 * 2^e, in [-126, 126]
@@ -100,6 +101,14 @@ def bulk_copy_g2s(smem_dst, gmem_src, nbytes, mbar, evict_first=False, *, loc=No
         )
     args = [Int32(smem_dst), cutlass.Int64(gmem_src), Int32(nbytes), Int32(mbar)]
     inline_ptx(None, args, text, "r,l,r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def bulk_prefetch_l2(gmem_src, nbytes, *, loc=None, ip=None):
+    """cp.async.bulk.prefetch.L2 of nbytes (a multiple of 16, 16-byte aligned) at global address gmem_src: a hint,
+    completed by the memory system on its own (no mbarrier, nothing to wait for; the issuing thread may exit)."""
+    text = "cp.async.bulk.prefetch.L2.global [$0], $1;"
+    inline_ptx(None, [cutlass.Int64(gmem_src), Int32(nbytes)], text, "l,r,~{memory}", loc, ip)
 
 
 @dsl_user_op

@@ -1193,5 +1193,6 @@ def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
         crt.make_fake_stream(),
         arch=arch,
         name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}{'_ring' if cfg.ring else ''}{'_sk' if cfg.stream_k else ''}"
-        f"{'_clamp' if cfg.activation == 'swiglu_clamped' else ''}{'_bias' if cfg.bias else ''}",
+        f"{'_clamp' if cfg.activation == 'swiglu_clamped' else ''}{'_bias' if cfg.bias else ''}"
+        f"{'_ef' if cfg.evict_first else ''}",
     )

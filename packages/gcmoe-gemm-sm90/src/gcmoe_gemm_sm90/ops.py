@@ -6,6 +6,7 @@ models of the two kernels. The operator's layer runs in gcmoe (its sm90 backend)
     hq, hsT = w1(packed, acts, layout, cfg)          # on prepared rows (gcmoe_core.grouping: tests, benchmarks)
     w2(packed, hq, hsT, layout, out, cfg)            # bf16 rows to out[slot]
     weights = MoESm90.from_weights(moe_weights)      # prepack W13 (gate/up interleaved) and W2, shared appended
+    prefetch_l2(weights.shared_w1_ranges())          # the shared experts' W1 weights into L2 (kernel_prefetch)
     emulate_w1 / emulate_w2                          # torch models of the kernels' outputs (any device)
 
 Biases (cfg.bias, gpt-oss): launch_w1(..., bias=b13 fp32 [E, 2I]) and launch_w2(..., route_w=the rows' routing
@@ -276,6 +277,29 @@ def w2(
     return out
 
 
+def prefetch_l2(ranges: list[tuple[int, int]], ctas: int = 8) -> None:
+    """L2 prefetch of (device address, bytes) ranges on the current stream (kernel_prefetch): `ctas` CTAs of 128
+    threads issue one 16 KB prefetch each per turn. Each address 16-byte aligned, each size a multiple of 16."""
+    import cuda.bindings.driver as cuda
+
+    from gcmoe_core.cutedsl import cutlass_modules, target_arch
+
+    from .kernel_prefetch import MAX_RANGES, compiled
+
+    if not 1 <= len(ranges) <= MAX_RANGES:
+        raise ValueError(f"sm90 prefetch_l2: 1..{MAX_RANGES} ranges, got {len(ranges)}")
+    if any(a % 16 or n % 16 or not 0 < n < 2**31 for a, n in ranges):
+        raise ValueError(f"sm90 prefetch_l2: ranges must be 16-byte aligned, 16 .. 2^31 - 16 bytes: {ranges}")
+    cutlass = cutlass_modules()[0]
+    kern = compiled(len(ranges), target_arch(torch.cuda.current_device()))
+    kern(
+        tuple(cutlass.Int64(a) for a, _ in ranges),
+        tuple(cutlass.Int32(n) for _, n in ranges),
+        cutlass.Int32(ctas),
+        cuda.CUstream(torch.cuda.current_stream().cuda_stream),
+    )
+
+
 def layer_missing(hidden: int, inter: int, experts: int) -> str | None:
     """None when the kernels take a layer of this shape (with any chosen config), else why not."""
     for name, (m, k) in (("W13", (2 * inter, hidden)), ("W2", (hidden, inter))):
@@ -323,6 +347,15 @@ class MoESm90:
             raise ValueError(f"MoESm90: {why}")
         p13, p2 = prepack_sm90(w13, gate_up=True), prepack_sm90(w2_, gate_up=False)
         return cls(p13, p2, weights.num_experts, cfg, act, weights.biases())
+
+    def shared_w1_ranges(self) -> list[tuple[int, int]]:
+        """(address, bytes) of each shared expert's W1 weights and scale records (contiguous per expert in the
+        prepacked tensors): what every call of the layer reads first, for prefetch_l2. Empty without shared experts."""
+        ranges = []
+        for e in range(self.num_routed, self.w13.experts):
+            for t in (self.w13.data[e], self.w13.scales[e]):
+                ranges.append((t.data_ptr(), t.numel() * t.element_size()))
+        return ranges
 
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors that carry this layer (what the torch.library op receives): weights, then biases."""

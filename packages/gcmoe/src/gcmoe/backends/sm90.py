@@ -11,6 +11,9 @@ pipeline (the component packages export kernels only).
 
     The shared experts ride the ring as local experts E/P .. E/P + S - 1 of every rank, fed from its own tokens (the
     design's fourth node, fused into W1 / W2 instead of a fifth and sixth launch).
+    Beside publish and dispatch, on a side branch forked from the caller's stream and joined back at the end: the
+    shared experts' W1 weights prefetched into L2 (gcmoe_gemm_sm90.ops.prefetch_l2; every call reads them, and HBM
+    idles while the comm kernels' latency chains run; Sm90Plan.l2_prefetch).
     comm_sms = 0 for the bucket (the tuned policy above its token threshold, or MoELayer(comm_sms=0)): the same five
     kernels on the caller's stream, in order.
 
@@ -146,6 +149,9 @@ class Sm90Plan:
                     "(init_process_group, then MoELayer(..., group=...) or the world group)"
                 )
             self.group = dist.group.WORLD
+        # the shared experts' W1 weights into L2 beside the comm kernels (see the module docstring); False: not
+        # (an A/B switch for tools/gpu/split_sweep.py; read when a call is enqueued or a bucket graph captured)
+        self.l2_prefetch = True
         self._lanes: dict[int, Lane] = {}
         self._lock = threading.Lock()
         self.lane(torch.cuda.current_stream(device))  # the load stream's lane: kernels loaded, (P > 1) rendezvous
@@ -282,6 +288,16 @@ class Lane:
             self._warm_signals[SIG_ERR] = ERR_WARMUP
             torch.cuda.current_stream(dev).synchronize()  # set before a warm-up on another stream may read it
             self._loaded: set = set()  # (kernel configuration, comm SMs) whose W1 / W2 are loaded
+            # the L2 prefetch of the shared experts' W1 (_prefetch_beside): its ranges, a side stream, kernel loaded
+            from gcmoe_gemm_sm90.kernel_prefetch import MAX_RANGES
+            from gcmoe_gemm_sm90.ops import prefetch_l2
+
+            self.prefetch_ranges = plan.moe.shared_w1_ranges()[:MAX_RANGES]
+            self.prefetch_stream = torch.cuda.Stream(device=dev)
+            if self.prefetch_ranges:
+                with torch.cuda.stream(self.prefetch_stream):
+                    prefetch_l2(self.prefetch_ranges)
+                self.prefetch_stream.synchronize()
         if cfg.ep_size > 1:
             # every bucket's GEMMs compiled and loaded and its graph captured before the first cross-rank wait too (a
             # rank that compiles a new shape for seconds, or synchronises its device to capture a graph, while its
@@ -409,12 +425,32 @@ class Lane:
 
         rows = plan.grid_rows(bucket, kcfg)
         roles = RoleNodes(dispatch, lambda: self._gemms(kcfg, ticket, comm_sms, rows=rows), finalize)
-        if comm_sms == 0:
-            for role in (roles.dispatch, roles.compute, roles.finalize):
-                role()
+        with self._prefetch_beside():
+            if comm_sms == 0:
+                for role in (roles.dispatch, roles.compute, roles.finalize):
+                    role()
+                return
+            part, streams = self._partition(comm_sms)
+            enqueue_roles(part, roles, overlap=True, streams=streams)
+
+    @contextlib.contextmanager
+    def _prefetch_beside(self):
+        """The shared experts' W1 weights prefetched into L2 on this lane's side stream, forked from the current
+        stream before the call's kernels and joined back after them (a graph branch under a capture). The prefetch
+        only reads the weights, which no call writes: it changes when bytes reach L2, never a value."""
+        if not (self.plan.l2_prefetch and self.prefetch_ranges):
+            yield
             return
-        part, streams = self._partition(comm_sms)
-        enqueue_roles(part, roles, overlap=True, streams=streams)
+        from gcmoe_gemm_sm90.ops import prefetch_l2
+
+        here = torch.cuda.current_stream(self.plan.device)
+        self.prefetch_stream.wait_stream(here)
+        with torch.cuda.stream(self.prefetch_stream):
+            prefetch_l2(self.prefetch_ranges)
+        try:
+            yield
+        finally:
+            here.wait_stream(self.prefetch_stream)
 
     # -- the captured path (inside a caller's capture): by-value arguments
     def enqueue_captured(self, x, topk_ids, topk_weights) -> torch.Tensor:
