@@ -84,11 +84,13 @@ def test_eager_captured_compiled_and_comm_sizes_are_bit_identical():
     want = layers[16](x, ids, w)
     for c, layer in layers.items():
         assert first_mismatch(layer(x, ids, w), want) == "", f"comm_sms={c}"
-    # the shared expert's W1 prefetched into L2 beside the comm kernels (on by default) changes no value
+    # the shared expert's W1 prefetched into L2 beside the comm kernels (on by default at T = 1) changes no value
     assert len(layers[0].packed.plan.lane(torch.cuda.current_stream()).prefetch_ranges) == 2  # its weights, scales
     plain = _layer(weights=weights, comm_sms=0)[0]
     plain.packed.plan.l2_prefetch = False
+    x1, ids1, w1 = _tokens(CFG, 1, "uniform", 6)
     assert first_mismatch(plain(x, ids, w), want) == ""
+    assert first_mismatch(plain(x1, ids1, w1), layers[0](x1, ids1, w1)) == ""
     # inside a caller's capture: replays with new routing, each equal to the eager call on the same inputs
     layer = layers[16]
     sx, sids, sw = x.clone(), ids.clone(), w.clone()

@@ -11,9 +11,12 @@ pipeline (the component packages export kernels only).
 
     The shared experts ride the ring as local experts E/P .. E/P + S - 1 of every rank, fed from its own tokens (the
     design's fourth node, fused into W1 / W2 instead of a fifth and sixth launch).
-    Beside publish and dispatch, on a side branch forked from the caller's stream and joined back at the end: the
-    shared experts' W1 weights prefetched into L2 (gcmoe_gemm_sm90.ops.prefetch_l2; every call reads them, and HBM
-    idles while the comm kernels' latency chains run; Sm90Plan.l2_prefetch).
+    At T = 1 (bucket 1), beside publish and dispatch on a side branch forked from the caller's stream and joined
+    back at the end: the shared experts' W1 weights prefetched into L2 (gcmoe_gemm_sm90.ops.prefetch_l2; every call
+    reads them, and HBM idles while the comm kernels' latency chains run). The layer 1.04x faster at T = 1 for
+    DeepSeek-V3 and GLM-5 with L2 full of dirty lines (a write flush; 1.01x V4-Flash), 0.99-1.01x with clean ones,
+    0.98-1.00x at T = 8 / 32, so bucket 1 only (H200, 2026-12-01, tools/gpu/split_sweep.py --sweep l2_prefetch,
+    docs/benchmarks/l2-hint-h200-2026-12-01.md; Sm90Plan.l2_prefetch switches it off).
     comm_sms = 0 for the bucket (the tuned policy above its token threshold, or MoELayer(comm_sms=0)): the same five
     kernels on the caller's stream, in order.
 
@@ -70,6 +73,7 @@ from gcmoe_core.reference import MoEWeights, combine_slots
 
 from . import LayerOptions, cuda_missing, kernel_package_missing
 
+L2_PREFETCH_MAX_BUCKET = 1  # the shared experts' W1 prefetched into L2 at these buckets (module docstring)
 HOST_WAIT_S = 60.0  # the host never waits longer than this for the device to consume an argument slot
 
 
@@ -425,7 +429,7 @@ class Lane:
 
         rows = plan.grid_rows(bucket, kcfg)
         roles = RoleNodes(dispatch, lambda: self._gemms(kcfg, ticket, comm_sms, rows=rows), finalize)
-        with self._prefetch_beside():
+        with self._prefetch_beside(bucket):
             if comm_sms == 0:
                 for role in (roles.dispatch, roles.compute, roles.finalize):
                     role()
@@ -434,11 +438,12 @@ class Lane:
             enqueue_roles(part, roles, overlap=True, streams=streams)
 
     @contextlib.contextmanager
-    def _prefetch_beside(self):
-        """The shared experts' W1 weights prefetched into L2 on this lane's side stream, forked from the current
-        stream before the call's kernels and joined back after them (a graph branch under a capture). The prefetch
-        only reads the weights, which no call writes: it changes when bytes reach L2, never a value."""
-        if not (self.plan.l2_prefetch and self.prefetch_ranges):
+    def _prefetch_beside(self, bucket: int):
+        """At bucket <= L2_PREFETCH_MAX_BUCKET: the shared experts' W1 weights prefetched into L2 on this lane's side
+        stream, forked from the current stream before the call's kernels and joined back after them (a graph branch
+        under a capture). The prefetch only reads the weights, which no call writes: it changes when bytes reach L2,
+        never a value."""
+        if not (self.plan.l2_prefetch and self.prefetch_ranges and bucket <= L2_PREFETCH_MAX_BUCKET):
             yield
             return
         from gcmoe_gemm_sm90.ops import prefetch_l2
