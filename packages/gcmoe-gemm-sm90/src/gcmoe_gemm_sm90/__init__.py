@@ -6,8 +6,10 @@ prepack.prepack_sm90      MXFP4 experts -> per-thread register-fragment order + 
 kernel_grouped            W1 (+ SwiGLU, routing weight, FP8 requant) and W2 (+ bf16 rows stored through a peer table)
                           grouped kernels; ring mode (Sm90Config.ring): bounded acquires of the comm dispatch's signals
 config                    Sm90Config, choose_config (per call size and layer shape), can_implement
+kernel_prefetch           L2 prefetch of byte ranges (the layer's shared-expert W1 weights, beside its comm kernels)
 ops                       launch_w1 / launch_w2 (any row source; RingSync for ring mode), w1 / w2 on prepared rows,
-                          MoESm90 (a rank's prepacked weights + config_for), emulate_w1 / emulate_w2 (torch models)
+                          prefetch_l2, MoESm90 (a rank's prepacked weights + config_for, shared_w1_ranges),
+                          emulate_w1 / emulate_w2 (torch models)
 bench                     python -m gcmoe_gemm_sm90.bench: W1+W2 vs the FP4 floor and torch's grouped GEMMs
 """
 
