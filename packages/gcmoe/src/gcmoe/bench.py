@@ -641,7 +641,9 @@ def markdown(result: dict) -> str:
         lines += [
             "",
             f"Host overhead of the partitioned layer ({host[0]['host'].get('calls', HOST_CALLS)} calls back to back, "
-            "one sync at the end, per call; hot L2):",
+            "one sync at the end, per call; hot L2). Host alone: calls queued behind a sleep kernel (`waited`: the "
+            "device drained first, as a call with checks on waits for the previous call's publish), and single calls "
+            "on an idle device (median):",
             "",
             "| model | T | graph replay µs (cold L2) | graph replays µs/call | eager µs/call, checks on | "
             "eager µs/call, checks off | eager − graph µs | host µs/call, device busy: checks on | checks off | "
