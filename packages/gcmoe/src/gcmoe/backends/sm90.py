@@ -297,7 +297,7 @@ class Lane:
             from gcmoe_gemm_sm90.ops import prefetch_l2
 
             self.prefetch_ranges = plan.moe.shared_w1_ranges()[:MAX_RANGES]
-            self.prefetch_stream = torch.cuda.Stream(device=dev)
+            self.prefetch_stream = torch.cuda.Stream(device=dev) if self.prefetch_ranges else None
             if self.prefetch_ranges:
                 with torch.cuda.stream(self.prefetch_stream):
                     prefetch_l2(self.prefetch_ranges)
