@@ -11,8 +11,6 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
     --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
-    --sweep fused        W1 and W2 as two launches vs one (kernel_fused) at its lag, half and twice that lag, and
-                         with every W1 tile first (lag = every row)
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
                                     [--l2-flush read] [--out DIR]
@@ -26,7 +24,6 @@ from pathlib import Path
 import torch
 
 import gcmoe
-import gcmoe_gemm_sm90.kernel_fused as kernel_fused
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import calc_diff, make_tokens, make_weights
 from gcmoe_core.timing import L2_FLUSHES, capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
@@ -36,7 +33,7 @@ from gcmoe_gemm_sm90.ops import MoESm90
 ap = argparse.ArgumentParser()
 ap.add_argument(
     "--sweep",
-    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch", "fused"),
+    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch"),
     default="splits",
 )
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
@@ -64,7 +61,7 @@ for model in args.models:
             }
         elif args.sweep == "stream_k":
             unsplit = with_splits(replace(chosen, stream_k=False), (1, chosen.splits[1]), h, i)
-            streamk = with_splits(replace(unsplit, fused=False, stream_k=True), unsplit.splits, h, i)  # (its stages)
+            streamk = with_splits(replace(unsplit, stream_k=True), unsplit.splits, h, i)  # (its stages)
             variants = {"chosen": chosen, "w1_unsplit": unsplit, "stream_k": streamk}
         elif args.sweep == "stages":
             depths = range(max(2, chosen.stages - 2), min(8, chosen.stages + 2) + 1)
@@ -78,12 +75,6 @@ for model in args.models:
             variants = {"chosen": chosen, "shared_last": chosen}
         elif args.sweep == "l2_prefetch":
             variants = {"chosen": chosen, "no_prefetch": chosen}
-        elif args.sweep == "fused":
-            variants = {"chosen": chosen}
-            if kernel_fused.fused_missing(replace(chosen, ring=True, fused=True)) is None:
-                two, one = replace(chosen, fused=False), replace(chosen, fused=True)
-                variants = {"two_launches": two, "fused": one, "fused_lag_half": one, "fused_lag_double": one}
-                variants["fused_w1_first"] = one
         elif args.sweep == "grid":
             variants = {"chosen": chosen, "full_grid": chosen}
             if chosen.n_tile <= 24:
@@ -91,7 +82,7 @@ for model in args.models:
         else:
             variants = {
                 "expert_sync": replace(chosen, expert_sync=True),
-                "grid_wait": replace(chosen, fused=False, expert_sync=False),
+                "grid_wait": replace(chosen, expert_sync=False),
             }
         for name, kcfg in variants.items():
             sp = kcfg.splits
@@ -107,14 +98,7 @@ for model in args.models:
                 plan.l2_prefetch = False
             layers.append(layer)
             fn = lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w)
-            scale = {"fused_lag_half": 0.5, "fused_lag_double": 2.0, "fused_w1_first": 1e9}.get(name)
-            lag_of = kernel_fused.fused_lag  # (the launch reads it when the graph captures the lag)
-            if scale:
-                kernel_fused.fused_lag = lambda *a, f=lag_of, s=scale: max(1, min(a[-1], round(f(*a) * s)))
-            try:
-                graphs[name], outs[name] = capture_graph(fn, warmup=2, stream=torch.cuda.Stream())
-            finally:
-                kernel_fused.fused_lag = lag_of
+            graphs[name], outs[name] = capture_graph(fn, warmup=2, stream=torch.cuda.Stream())
         times = time_interleaved(graphs, args.iters, l2_flush=args.l2_flush)
         for g in graphs.values():  # every variant's output of the same call against the first's
             g.replay()

@@ -31,7 +31,7 @@ VARIANTS = [
     ("w1", 4096, 7168, with_splits(Sm90Config(16, 2, 2, warpgroups=4), (2, 2), 7168, 2048)),
     # stream_k W1 (equal window ranges per CTA slot) at N 8 / 16, ring mode and prepared rows
     *[
-        ("w1", 4096, 7168, replace(choose_config(t, 8, 32), splits=(1, 1), fused=False, stream_k=True, ring=r))
+        ("w1", 4096, 7168, replace(choose_config(t, 8, 32), splits=(1, 1), stream_k=True, ring=r))
         for t in (1, 32)
         for r in (False, True)
     ],
@@ -48,7 +48,7 @@ GPT_OSS_VARIANTS = [
         for mode, m, k in GPT_OSS
     ],
     *[(mode, m, k, replace(choose_config(8, 4, 16, 3072, 2944), **EPILOGUE)) for mode, m, k in GPT_OSS],
-    ("w1", *GPT_OSS[0][1:], replace(choose_config(1, 4, 16, 3072, 2944), splits=(1, 1), fused=False, stream_k=True, **EPILOGUE)),
+    ("w1", *GPT_OSS[0][1:], replace(choose_config(1, 4, 16, 3072, 2944), splits=(1, 1), stream_k=True, **EPILOGUE)),
     ("w1", *GPT_OSS[0][1:], replace(choose_config(8, 4, 16, 3072, 2944), ring=True, activation="swiglu_clamped")),
     ("w1", *GPT_OSS[0][1:], replace(choose_config(8, 4, 16, 3072, 2944), ring=True, bias=True)),
 ]
@@ -142,24 +142,3 @@ def test_prefetch_kernel_sass(ranges):
     assert "UBLKPF.L2" in ops
     assert not any(o.startswith(("LDG", "STG", "LDS", "STS", "UBLKCP", "UTMALDG", "ATOM", "RED")) for o in ops), ops
     assert kern.resources()["LOCAL"] == 0
-
-
-# W1 + W2 in one launch (kernel_fused) as the operator runs it: ring mode, the configurations it is chosen for
-FUSED = [replace(choose_config(t, 8, 32, shared=1), ring=True, fused=True) for t in (2, 8, 32, 128)]
-
-
-@pytest.mark.parametrize("cfg", FUSED, ids=lambda c: f"n{c.n_tile}s{c.stages}o{c.occupancy}wg{c.warpgroups}")
-def test_fused_kernel_sass(cfg):
-    """Both kernels' code in one: their QGMMAs and waits, W2's bf16 stores through the peer table, the bounded
-    acquires, no local memory, the registers of the occupancy."""
-    from gcmoe_gemm_sm90.kernel_fused import compiled as fused
-    from gcmoe_gemm_sm90.kernel_grouped import compiled
-
-    one = fused(4096, 7168, cfg, "sm_90a")
-    parts = [compiled(mode, m, k, replace(cfg, fused=False), "sm_90a") for mode, m, k in W1_W2]
-    count = lambda k, pat: len(re.findall(pat, k.sass()))
-    for pat in (r"\bQGMMA\.", r"WARPGROUP\.DEPBAR", r"STG\.E\.U16", r"NANOSLEEP"):
-        assert count(one, pat) == sum(count(k, pat) for k in parts), pat
-    assert "griddepcontrol.wait" not in one.ptx
-    assert one.resources()["LOCAL"] == 0 and one.resources()["STACK"] == 0
-    assert one.resources()["REG"] <= (128 if cfg.occupancy == 2 or cfg.warpgroups == 4 else 255)

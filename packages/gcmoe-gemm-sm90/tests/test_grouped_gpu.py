@@ -36,7 +36,6 @@ from gcmoe_gemm_sm90.ops import (
     emulate_w2,
     launch_w1,
     launch_w2,
-    launch_w12,
     w1,
     w2,
 )
@@ -212,8 +211,6 @@ RING_VARIANTS = {
     "n32-4wg": Sm90Config(n_tile=32, stages=3, prefetch=2, warpgroups=4),
     "n8-stream-k": Sm90Config(n_tile=8, stages=3, prefetch=2, stream_k=True),
     "n16-stream-k-p1": Sm90Config(n_tile=16, stages=3, prefetch=1, stream_k=True),
-    "n16-fused": Sm90Config(n_tile=16, stages=3, prefetch=2, fused=True),  # W1 + W2 in one launch (ring mode)
-    "n32-4wg-fused": Sm90Config(n_tile=32, stages=3, prefetch=2, warpgroups=4, fused=True),
 }
 
 
@@ -282,15 +279,9 @@ class RingRun:
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.hq.clone(), self.hsT.clone(), self.out.clone()
 
-    def launch(self, cfg: Sm90Config, ring: RingSync | None, lag: int | None = None) -> None:
-        """cfg.fused in ring mode: one launch (at `lag`, default kernel_fused.fused_lag); else W1 then W2."""
+    def launch(self, cfg: Sm90Config, ring: RingSync | None) -> None:
         m, a, lay = self.moe, self.acts, self.layout
         hq, hsT, sk = self.hq, self.hsT, self.scratch
-        if cfg.fused and ring is not None:
-            operands = (a.x_rows, a.sxT, a.route_w, lay.offsets, lay.counts, hq, hsT, lay.src_slot, self.src, self.comb)
-            slots = 2 * torch.cuda.get_device_properties(0).multi_processor_count
-            launch_w12(m.w13, m.w2, *operands, cfg, ring, slots, lag=lag)
-            return
         launch_w1(m.w13, a.x_rows, a.sxT, a.route_w, lay.offsets, lay.counts, hq, hsT, cfg, ring, sk)
         launch_w2(m.w2, self.hq, self.hsT, lay.offsets, lay.counts, lay.src_slot, self.src, self.comb, cfg, ring)
 
@@ -338,33 +329,10 @@ def test_ring_mode_equals_prepared_rows(variant):
     assert calc_diff(out, ref) < 1e-3
 
 
-@pytest.mark.parametrize("lag", [1, 2, 3, 4])
-def test_fused_launch_equals_two_launches_at_any_lag(lag):
-    """W1 + W2 in one launch (kernel_fused) gives the two launches' bits at every lag (1: each expert's W2 tiles
-    right after the next expert's W1 tiles, their CTAs waiting on W1_DONE; 4 = every row: all W1 tiles first), and
-    leaves the W1_DONE pairs as the two launches do; the block order is the model's (tile_order covers every tile
-    once, W1 before W2 per row)."""
-    cfg = replace(RING_VARIANTS["n16-fused"], ring=True)
-    moe, layout, _, run = _ring_setup(14, cfg)
-    run.launch(replace(cfg, fused=False), ring_sync(ring_signals(layout)))
-    torch.cuda.synchronize()
-    two = run.outputs()
-    for _ in range(3):  # fresh poison and signal words each time: a moving result would be a race
-        sig = ring_signals(layout)
-        run.poison()
-        run.launch(cfg, ring_sync(sig), lag=lag)
-        torch.cuda.synchronize()
-        for name, a, b in zip(("hq", "hsT", "out"), two, run.outputs(), strict=True):
-            assert _bits_equal(a, b), f"lag {lag}, {name}: {first_mismatch(a, b)}"
-        w1d = sig_w1_done(sig)
-        assert sig[w1d:].view(-1, 2).tolist() == [[0, int(c > 0)] for c in RING_COUNTS]
-        assert sig[SIG_ERR] == 0
-
-
-def _ring_warmed(seed: int, fused: bool = False):
-    """N 16 in ring mode on hand-made rows (fused: W1 + W2 in one launch), launched once (compiled and loaded
-    outside any timed launch); returns (cfg, layout, run, fresh signal words)."""
-    cfg = replace(RING_VARIANTS["n16-fused" if fused else "n16"], ring=True)
+def _ring_warmed(seed: int):
+    """N 16 in ring mode on hand-made rows, launched once (compiled and loaded outside any timed launch); returns
+    (cfg, layout, run, fresh signal words)."""
+    cfg = replace(RING_VARIANTS["n16"], ring=True)
     _, layout, _, run = _ring_setup(seed, cfg)
     run.launch(cfg, ring_sync(ring_signals(layout)))
     torch.cuda.synchronize()
@@ -389,16 +357,15 @@ def test_ring_mode_stores_nothing_once_err_is_set():
     assert dt < 0.5, f"{dt:.3f} s with ERR set: a wait ran instead of returning at once"
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["two-launches", "fused"])
 @pytest.mark.parametrize("missing", ["offs", "block", "w1"])
-def test_ring_wait_is_bounded_and_recorded(missing, fused):
+def test_ring_wait_is_bounded_and_recorded(missing):
     """offs: OFFS never reaches CGEN + 1 = 1 -> every CTA gives up within the bound (RingSync.timeout_ns), the first
     records (1, KIND_OFFS, 0, generation 1, seen 0), nothing is written. block: the last ring block of expert 3 never
     gets its L1_FULL tag -> (1, KIND_BLOCK, block 5, 1, 0), and expert 3's W2 stores nothing (W1's scratch rows may
     be written; other experts' W2 may store, since it starts per expert). w1: expert 1's W1_DONE count starts off
     (as if a tile of it were lost) so its tag never comes -> its W2 waits out the bound: (1, KIND_W1, expert 1, 1, 0)
-    and stores nothing. The whole call returns within 2x the bound (as two launches or one, kernel_fused)."""
-    cfg, layout, run, sig = _ring_warmed(13, fused)
+    and stores nothing. The whole call returns within 2x the bound."""
+    cfg, layout, run, sig = _ring_warmed(13)
     block = layout.rows // RING_BM - 1  # expert 3's rows 24..43 lie in blocks 3..5
     if missing == "offs":
         sig[SIG_OFFS] = 0

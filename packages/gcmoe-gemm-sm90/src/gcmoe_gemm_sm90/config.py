@@ -91,7 +91,6 @@ class Sm90Config:
     swiglu_limit: float = 7.0
     bias: bool = False
     evict_first: bool = False  # the weight / scale bulk copies carry an L2 evict_first hint (read once)
-    fused: bool = False  # ring mode: W1 and W2 in one launch, W2's tiles interleaved after W1's (kernel_fused)
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:
@@ -110,11 +109,6 @@ class Sm90Config:
             raise ValueError(f"Sm90Config: occupancy must be 1 or 2, got {self.occupancy}")
         if self.stream_k and self.splits[0] != 1:
             raise ValueError(f"Sm90Config: stream_k runs W1 unsplit (splits[0] = 1), got {self.splits}")
-        if self.fused and (self.splits != (1, 1) or self.stream_k or not self.expert_sync):
-            raise ValueError(
-                f"Sm90Config: fused runs W1 and W2 unsplit, without stream_k, with expert_sync (splits {self.splits}, "
-                f"stream_k {self.stream_k}, expert_sync {self.expert_sync})"
-            )
         if self.ring_bm < 8 or self.ring_bm % 8:
             raise ValueError(f"Sm90Config: ring_bm must be a positive multiple of 8, got {self.ring_bm}")
         if self.activation not in ("swiglu", "swiglu_clamped"):
@@ -214,9 +208,7 @@ def choose_config(
         stream_k=stream_k,
         evict_first=tokens_per_rank <= EVICT_FIRST_MAX_T and weight_bytes <= EVICT_FIRST_MAX_BYTES,
     )
-    # W1 and W2 in one launch wherever both run one unsplit tile per CTA (kernel_fused; ring mode only, so the
-    # kernels on prepared rows still launch twice)
-    return with_splits(replace(cfg, fused=splits == [1, 1] and not stream_k), (splits[0], splits[1]), hidden, inter)
+    return with_splits(cfg, (splits[0], splits[1]), hidden, inter)
 
 
 def n_tile_for(expected: float) -> int:
@@ -253,10 +245,7 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
     unsplit: the layer 1.07-1.15x faster at T = 4-128 on DeepSeek-V3, 1.01-1.14x on V4-Flash at T = 2-128;
     0.965-0.988x where W1 runs in K-split clusters (both models at T = 1, V3 at T = 2), side by side on the H200,
     2026-11-30 (tools/gpu/split_sweep.py --sweep expert_sync, docs/benchmarks/expert-sync-h200-2026-11-30.md)."""
-    stream_k = cfg.stream_k and splits[0] == 1
-    fused = cfg.fused and splits == (1, 1) and not stream_k  # (one launch only of unsplit tiles)
-    cfg = replace(cfg, fused=False, splits=splits, expert_sync=splits[0] == 1, stream_k=stream_k)
-    cfg = replace(cfg, fused=fused)
+    cfg = replace(cfg, splits=splits, expert_sync=splits[0] == 1, stream_k=cfg.stream_k and splits[0] == 1)
     k_max, s_max = max(hidden, inter), max(splits)
     fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k_max, s_max) <= smem_limit(cfg.occupancy)]
     return replace(cfg, stages=min(max(fits), STREAM_K_STAGES) if cfg.stream_k else max(fits))

@@ -193,41 +193,6 @@ class GroupedGemmSm90:
         first: Int32,
         stream: cuda.CUstream,
     ):
-        tiled_mma, b_smem_staged, tma_atom, tma_x = self.prepare(x)
-        self.kernel(
-            wq,
-            ws,
-            tma_atom,
-            tma_x,
-            sxT,
-            offs,
-            cnt,
-            lut,
-            ep_a,
-            ep_b,
-            ep_c,
-            sig,
-            ticket,
-            timeout_ns,
-            num_experts,
-            first,
-            tiled_mma,
-            b_smem_staged,
-        ).launch(
-            # ctas: stream_k's CTAs, else the grid rows (see the module docstring: Grid)
-            grid=[ctas, 1, 1] if self.stream_k else [self.m_tiles, ctas, self.splits],
-            block=[self.threads, 1, 1],
-            cluster=[1, 1, self.splits] if self.splits > 1 else None,
-            use_pdl=self.cfg.pdl,
-            smem=self.shared.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=self.cfg.occupancy,  # occupancy 2 caps the registers at 128 (65536 / (2 * 256))
-            preferred_smem_carveout=100,  # (also keeps the DSL from querying a device at compile time)
-        )
-
-    def prepare(self, x: cute.Tensor):
-        """(tiled MMA, staged token-tile layout, TMA atom and tensor of the activation rows x) of this variant, and
-        its shared-memory struct as self.shared (traced inside a @cute.jit launch)."""
         f8 = cutlass.Float8E4M3FN
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             f8,
@@ -265,7 +230,36 @@ class GroupedGemmSm90:
             part: cute.struct.Align[cute.struct.MemRange[Float32, part_words], 16]
 
         self.shared = Shared
-        return tiled_mma, b_smem_staged, tma_atom, tma_x
+        self.kernel(
+            wq,
+            ws,
+            tma_atom,
+            tma_x,
+            sxT,
+            offs,
+            cnt,
+            lut,
+            ep_a,
+            ep_b,
+            ep_c,
+            sig,
+            ticket,
+            timeout_ns,
+            num_experts,
+            first,
+            tiled_mma,
+            b_smem_staged,
+        ).launch(
+            # ctas: stream_k's CTAs, else the grid rows (see the module docstring: Grid)
+            grid=[ctas, 1, 1] if self.stream_k else [self.m_tiles, ctas, self.splits],
+            block=[self.threads, 1, 1],
+            cluster=[1, 1, self.splits] if self.splits > 1 else None,
+            use_pdl=self.cfg.pdl,
+            smem=Shared.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=self.cfg.occupancy,  # occupancy 2 caps the registers at 128 (65536 / (2 * 256))
+            preferred_smem_carveout=100,  # (also keeps the DSL from querying a device at compile time)
+        )
 
     @cute.kernel
     def kernel(
@@ -289,63 +283,10 @@ class GroupedGemmSm90:
         tiled_mma: cute.TiledMma,
         b_smem_staged: cute.ComposedLayout,
     ):
-        mt, ey, ks = cute.arch.block_idx()  # ks: K split = rank in the cluster (clusters run along z)
-        self.body(
-            wq,
-            ws,
-            tma_atom,
-            tma_x,
-            sxT,
-            offs,
-            cnt,
-            lut,
-            ep_a,
-            ep_b,
-            ep_c,
-            sig,
-            ticket,
-            timeout_ns,
-            num_experts,
-            first,
-            tiled_mma,
-            b_smem_staged,
-            mt,
-            ey,
-            ks,
-        )
-
-    @cute.jit
-    def body(
-        self,
-        wq: cute.Tensor,
-        ws: cute.Tensor,
-        tma_atom: cute.CopyAtom,
-        tma_x: cute.Tensor,
-        sxT: cute.Tensor,
-        offs: cute.Tensor,
-        cnt: cute.Tensor,
-        lut: cute.Tensor,
-        ep_a: cute.Tensor,
-        ep_b: cute.Tensor,
-        ep_c: cute.Tensor,
-        sig: tuple,
-        ticket: Int32,
-        timeout_ns: Int64,
-        num_experts: Int32,
-        first: Int32,
-        tiled_mma: cute.TiledMma,
-        b_smem_staged: cute.ComposedLayout,
-        mt: Int32,
-        ey: Int32,
-        ks: Int32,
-        smem_base=None,
-    ):
-        """One CTA's work: M tile (or stream_k CTA index) mt of grid row ey, K split ks (the kernel's block index, or
-        the fused launch's mapping of its own). smem_base: where its shared-memory struct lies (the fused launch's
-        one allocation for either kernel's struct; default: allocated here)."""
         n_tile, depth = self.n, self.prefetch
         nw = self.nwk  # windows of this CTA: [w_lo, w_lo + nw) of the tile's K (all of them without K splits)
         tidx, _, _ = cute.arch.thread_idx()
+        mt, ey, ks = cute.arch.block_idx()  # ks: K split = rank in the cluster (clusters run along z)
         w_lo = ks * nw
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         # warpgroup q: rows [128 wg, 128 wg + 128) of the tile; with 4 warpgroups only its subtile sb of them
@@ -357,10 +298,8 @@ class GroupedGemmSm90:
         t0 = lane % 4
         wwarp = tw // 32  # warp within the warpgroup
 
-        if cutlass.const_expr(smem_base is None):
-            st = utils.SmemAllocator().allocate(self.shared)
-        else:
-            st = self.shared(smem_base)
+        smem = utils.SmemAllocator()
+        st = smem.allocate(self.shared)
         slut = st.lut.get_tensor(cute.make_layout(32))
         sflag = st.flag.get_tensor(cute.make_layout(8))
         sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]

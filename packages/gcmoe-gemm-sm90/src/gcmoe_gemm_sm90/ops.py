@@ -83,20 +83,7 @@ def _lut(dev: torch.device) -> torch.Tensor:
     return _CONSTS[dev]
 
 
-def _launch(operands) -> None:
-    """One kernel's launch on the current stream (operands: _operands)."""
-    import cuda.bindings.driver as cuda
-
-    from gcmoe_core.cutedsl import target_arch
-
-    from .kernel_grouped import compiled
-
-    mode, packed, cfg, dev, ops = operands
-    kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
-    kern(*ops, cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))
-
-
-def _operands(
+def _launch(
     mode,
     packed: PackedSm90,
     x_rows,
@@ -114,11 +101,12 @@ def _operands(
 ):
     """extra: the epilogue's fp32 operands whose addresses follow the signal words (cfg.bias: W1 b13; W2 b2,
     route_w), checked by the caller. grid_rows: a bound on the experts with rows (cfg.active_first only; default:
-    every expert); first_expert: the expert of the first grid row (the rows rotate), see kernel_grouped (Grid).
-    Returns (mode, packed, the config the variant compiles as, device, the kernel's operands but the stream)."""
-    from gcmoe_core.cutedsl import cutlass_modules
+    every expert); first_expert: the expert of the first grid row (the rows rotate), see kernel_grouped (Grid)."""
+    import cuda.bindings.driver as cuda
 
-    from .kernel_grouped import sig_words
+    from gcmoe_core.cutedsl import cutlass_modules, target_arch
+
+    from .kernel_grouped import compiled, sig_words
 
     dev = x_rows.device
     e = packed.experts
@@ -133,7 +121,6 @@ def _operands(
     stream_k = cfg.stream_k and mode == "w1"
     if cfg.stream_k and not stream_k:
         cfg = replace(cfg, stream_k=False)  # (a W1 option: W2 compiles as without it)
-    cfg = replace(cfg, fused=False)  # (how the two kernels launch, not how one compiles)
     if stream_k:
         if scratch is None:
             raise ValueError("sm90 w1: cfg.stream_k needs a StreamKScratch")
@@ -155,9 +142,10 @@ def _operands(
         ticket, timeout = ring.ticket, ring.timeout_ns
     sig += tuple(i64(t.data_ptr()) for t in extra)
     assert len(sig) == sig_words(mode, cfg)
+    kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
     wq = packed.data.view(torch.int32).view(-1, 128, 4)
     ws = packed.scales.view(-1, 256)
-    return mode, packed, cfg, dev, (
+    kern(
         as_cute(wq, 0, 16),
         as_cute(ws, 0, 16),
         as_cute(x_rows, 0, 16, cutlass.Float8E4M3FN),
@@ -172,6 +160,7 @@ def _operands(
         e,
         sk_ctas if stream_k else grid_rows,
         first_expert,
+        cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
     )
 
 
@@ -191,8 +180,7 @@ def launch_w1(
     bias: torch.Tensor | None = None,
     grid_rows: int | None = None,
     first_expert: int = 0,
-    launch: bool = True,
-):
+) -> None:
     """W1 on expert-sorted rows: x_rows uint8 [R, H] (FP8 bits), sxT fp32 [H/128, R], route_w fp32 [R], offsets
     int32 [E + 1] (multiples of 8), counts int32 [E] -> hq uint8 [R, I] (FP8 bits), hsT fp32 [I/128, R].
     cfg.stream_k: scratch (StreamKScratch) is required; sk_ctas CTAs (default: the scratch's, two per SM) share the
@@ -203,10 +191,7 @@ def launch_w1(
         raise ValueError(f"sm90 w1: hq / hsT must be uint8 [{rows}, {inter}] / fp32 [{packed.m // TILE_M}, {rows}]")
     extra = _epilogue_operands("w1", cfg, ((bias, "bias", (packed.experts, packed.m)),), x_rows.device)
     ep = (as_cute(route_w, 0, 4), as_cute(hq, 0, 16), as_cute(hsT, 1, 4))
-    ops = _operands("w1", packed, x_rows, sxT, offsets, counts, ep, cfg, ring, scratch, sk_ctas, extra, grid_rows, first_expert)
-    if launch:
-        _launch(ops)
-    return ops
+    _launch("w1", packed, x_rows, sxT, offsets, counts, ep, cfg, ring, scratch, sk_ctas, extra, grid_rows, first_expert)
 
 
 def launch_w2(
@@ -224,8 +209,7 @@ def launch_w2(
     bias: torch.Tensor | None = None,
     grid_rows: int | None = None,
     first_expert: int = 0,
-    launch: bool = True,
-):
+) -> None:
     """W2: row i's bf16 output [H] goes to row dst[i] of rank src[i, 0]'s output buffer, whose address is comb[rank]
     (int64 [P]: the combine buffers of every rank, or one local output). cfg.bias: + route_w[i] * bias[e] before
     the store (route_w fp32 [R]: W1's routing weights of the same rows; bias = b2 fp32 [E, H]). grid_rows,
@@ -235,58 +219,7 @@ def launch_w2(
     operands = ((bias, "bias", (packed.experts, packed.m)), (route_w, "route_w", (hq.shape[0],)))
     extra = _epilogue_operands("w2", cfg, operands, hq.device)
     ep = (as_cute(dst, 0, 4), as_cute(src, 0, 4), as_cute(comb, 0, 8))
-    ops = _operands("w2", packed, hq, hsT, offsets, counts, ep, cfg, ring, None, None, extra, grid_rows, first_expert)
-    if launch:
-        _launch(ops)
-    return ops
-
-
-def launch_w12(
-    w13: PackedSm90,
-    w2: PackedSm90,
-    x_rows: torch.Tensor,
-    sxT: torch.Tensor,
-    route_w: torch.Tensor,
-    offsets: torch.Tensor,
-    counts: torch.Tensor,
-    hq: torch.Tensor,
-    hsT: torch.Tensor,
-    dst: torch.Tensor,
-    src: torch.Tensor,
-    comb: torch.Tensor,
-    cfg: Sm90Config,
-    ring: RingSync,
-    slots: int,
-    b13: torch.Tensor | None = None,
-    b2: torch.Tensor | None = None,
-    grid_rows: int | None = None,
-    first_expert: int = 0,
-    lag: int | None = None,
-) -> None:
-    """launch_w1 then launch_w2 of these operands (W2 with route_w where cfg.bias) as one launch (cfg.fused, ring
-    mode: kernel_fused). slots: the CTA slots of the SMs it runs on (occupancy x SMs); lag: grid rows between an
-    expert's W1 and W2 tiles (default kernel_fused.fused_lag)."""
-    import cuda.bindings.driver as cuda
-
-    from gcmoe_core.cutedsl import target_arch
-
-    from .kernel_fused import compiled, fused_lag, fused_missing
-
-    why = fused_missing(cfg)
-    if why:
-        raise ValueError(f"sm90 w12: {why}")
-    rw2 = route_w if cfg.bias else None
-    grid = dict(grid_rows=grid_rows, first_expert=first_expert, launch=False)
-    _, _, cfg1, dev, ops1 = launch_w1(w13, x_rows, sxT, route_w, offsets, counts, hq, hsT, cfg, ring, bias=b13, **grid)
-    _, _, _, _, ops2 = launch_w2(w2, hq, hsT, offsets, counts, dst, src, comb, cfg, ring, rw2, b2, **grid)
-    # _operands: wq, ws, x, sxT, offs, cnt, lut, the epilogue's three, sig, ticket, timeout, experts, rows, first
-    rows = ops1[14]
-    lag = fused_lag(w13.m, w13.k, w2.m, w2.k, slots, rows) if lag is None else lag
-    if lag < 1:
-        raise ValueError(f"sm90 w12: lag must be >= 1, got {lag}")
-    kern = compiled(w13.m, w13.k, replace(cfg1, fused=True), target_arch(dev.index))
-    kern(*ops1[:4], *ops1[7:11], *ops2[:4], *ops2[7:11], *ops1[4:7], *ops1[11:], lag,
-         cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream))  # fmt: skip
+    _launch("w2", packed, hq, hsT, offsets, counts, ep, cfg, ring, None, None, extra, grid_rows, first_expert)
 
 
 def _epilogue_operands(mode: str, cfg: Sm90Config, operands, device) -> tuple[torch.Tensor, ...]:

@@ -347,20 +347,16 @@ class Lane:
         """W1 then W2 on this lane's ring (ring mode), on the current stream; stream_k W1 over two CTAs per SM of the
         compute partition (all SMs but comm_sms). signals: their signal words (default: the workspace's). rows: their
         grid rows (Sm90Plan.grid_rows; default: one per ring expert)."""
-        from gcmoe_gemm_sm90.ops import launch_w1, launch_w2, launch_w12
+        from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
 
         x, sxT, rw, offs, cnt, dst, src = self.ring
         sync = self._ring_sync(ticket, signals)
         moe = self.plan.moe
-        sms = self.plan.sm_count - comm_sms
+        sk_ctas = 2 * (self.plan.sm_count - comm_sms)
         b13, b2 = moe.w13_bias, moe.w2_bias  # (gpt-oss) W2 adds the ring rows' route_w times b2
-        grid = dict(grid_rows=rows, first_expert=self.plan.first_row_expert())
-        if kcfg.fused:  # one launch, W2's tiles interleaved after W1's (gcmoe_gemm_sm90.kernel_fused)
-            operands = (x, sxT, rw, offs, cnt, self.hq, self.hsT, dst, src, self.comb)
-            launch_w12(moe.w13, moe.w2, *operands, kcfg, sync, kcfg.occupancy * sms, b13, b2, **grid)
-            return
         rw2 = rw if b2 is not None else None
-        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.sk_scratch, 2 * sms, b13, **grid)
+        grid = dict(grid_rows=rows, first_expert=self.plan.first_row_expert())
+        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.sk_scratch, sk_ctas, b13, **grid)
         launch_w2(moe.w2, self.hq, self.hsT, offs, cnt, dst, src, self.comb, kcfg, sync, rw2, b2, **grid)
 
     def _load_gemms(self, kcfg, comm_sms: int = 0) -> None:
