@@ -11,8 +11,6 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
     --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
-    --sweep warps        at N tiles <= 16: two CTAs per SM of 2 warpgroups (two subtiles each) vs of 4 warpgroups
-                         (one subtile each, <= 64 registers): twice the warps per SM
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
                                     [--l2-flush read] [--out DIR]
@@ -35,7 +33,7 @@ from gcmoe_gemm_sm90.ops import MoESm90
 ap = argparse.ArgumentParser()
 ap.add_argument(
     "--sweep",
-    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch", "warps"),
+    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch"),
     default="splits",
 )
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
@@ -77,10 +75,6 @@ for model in args.models:
             variants = {"chosen": chosen, "shared_last": chosen}
         elif args.sweep == "l2_prefetch":
             variants = {"chosen": chosen, "no_prefetch": chosen}
-        elif args.sweep == "warps":
-            variants = {"chosen": chosen}
-            if chosen.n_tile <= 16 and chosen.occupancy == 2:
-                variants["wg4_o2"] = with_splits(replace(chosen, warpgroups=4), chosen.splits, h, i)
         elif args.sweep == "grid":
             variants = {"chosen": chosen, "full_grid": chosen}
             if chosen.n_tile <= 24:

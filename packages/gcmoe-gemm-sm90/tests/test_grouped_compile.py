@@ -29,13 +29,6 @@ VARIANTS = [
         for mode, m, k in W1_W2
     ],
     ("w1", 4096, 7168, with_splits(Sm90Config(16, 2, 2, warpgroups=4), (2, 2), 7168, 2048)),
-    # 4 warpgroups at two CTAs per SM (N <= 16: <= 64 registers), with K splits, stream_k and in ring mode
-    *[
-        (mode, m, k, with_splits(replace(choose_config(t, 8, 32), warpgroups=4), choose_config(t, 8, 32).splits, 7168, 2048))
-        for t in (1, 32)
-        for mode, m, k in W1_W2
-    ],
-    ("w1", 4096, 7168, with_splits(Sm90Config(8, 2, 2, 2, warpgroups=4, ring=True), (2, 2), 7168, 2048)),
     # stream_k W1 (equal window ranges per CTA slot) at N 8 / 16, ring mode and prepared rows
     *[
         ("w1", 4096, 7168, replace(choose_config(t, 8, 32), splits=(1, 1), stream_k=True, ring=r))
@@ -104,7 +97,7 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
         assert "UCGABAR_ARV" in ops and "UCGABAR_WAIT" in ops
     assert not {o.split(".")[0] for o in ops} & {"LDL", "STL"}, "local-memory spills"
     assert kern.resources()["LOCAL"] == 0 and kern.resources()["STACK"] == 0
-    assert kern.resources()["REG"] <= min(255, 65536 // (128 * cfg.warpgroups * cfg.occupancy))
+    assert kern.resources()["REG"] <= (128 if cfg.occupancy == 2 or cfg.warpgroups == 4 else 255)
 
 
 def _count(sass: str, opcode: str) -> int:

@@ -79,9 +79,6 @@ VARIANTS = {  # weights by bulk copy into the pipeline's stages (the only weight
     # 4 warpgroups of one 64-row subtile each (512 threads), also with K splits
     "4wg": dict(prefetch=2, warpgroups=4),
     "4wg-split2": dict(prefetch=1, splits=(2, 2), warpgroups=4),
-    # 4 warpgroups at two CTAs per SM (N <= 16, <= 64 registers): also stream_k's grid of two CTAs per SM
-    "4wg-o2": dict(prefetch=2, warpgroups=4, occupancy=2),
-    "4wg-o2-stream-k": dict(prefetch=2, warpgroups=4, occupancy=2, stream_k=True),
     # W1 over equal window ranges of every CTA slot: tiles split between CTAs, reduced by the last to arrive (SMALL:
     # a few dozen units over 2 x SMs CTAs, so every tile is split; prefetch 1: pieces of single windows)
     "stream-k": dict(prefetch=2, stream_k=True),
@@ -97,8 +94,6 @@ def test_w1_then_w2_match_models(n_tile, routing, variant):
         pytest.skip("K splits are for small token counts (N <= 32): the leader's partial buffers exceed shared memory")
     if "4wg" in variant and n_tile > 64:
         pytest.skip("4 warpgroups hold N <= 64 in 128 registers")
-    if "o2" in variant and n_tile > 16:
-        pytest.skip("4 warpgroups at two CTAs per SM hold N <= 16 in 64 registers")
     if "stream-k" in variant and n_tile > 24:
         pytest.skip("stream_k is for small token counts (N <= 24)")
     cfg = Sm90Config(n_tile=n_tile, stages=3, **VARIANTS[variant])
@@ -214,8 +209,6 @@ RING_VARIANTS = {
     "n16": Sm90Config(n_tile=16, stages=3, prefetch=2),
     "n16-split2": Sm90Config(n_tile=16, stages=3, prefetch=1, splits=(2, 2)),
     "n32-4wg": Sm90Config(n_tile=32, stages=3, prefetch=2, warpgroups=4),
-    "n8-4wg-o2": Sm90Config(n_tile=8, stages=3, prefetch=2, warpgroups=4, occupancy=2),
-    "n8-4wg-o2-stream-k": Sm90Config(n_tile=8, stages=3, prefetch=2, warpgroups=4, occupancy=2, stream_k=True),
     "n8-stream-k": Sm90Config(n_tile=8, stages=3, prefetch=2, stream_k=True),
     "n16-stream-k-p1": Sm90Config(n_tile=16, stages=3, prefetch=1, stream_k=True),
 }

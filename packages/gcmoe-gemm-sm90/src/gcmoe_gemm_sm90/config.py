@@ -103,11 +103,8 @@ class Sm90Config:
             raise ValueError(f"Sm90Config: splits must be two of 1, 2, 4 (W1, W2), got {self.splits}")
         if self.warpgroups not in (2, 4):
             raise ValueError(f"Sm90Config: warpgroups must be 2 or 4, got {self.warpgroups}")
-        if self.warpgroups == 4 and self.occupancy == 2 and self.n_tile > 16:
-            raise ValueError(
-                "Sm90Config: 4 warpgroups at occupancy 2 (two 512-thread CTAs per SM, <= 64 registers) hold N tiles "
-                f"<= 16 (N = 24 spills), got {self.n_tile}"
-            )
+        if self.warpgroups == 4 and self.occupancy != 1:
+            raise ValueError("Sm90Config: 4 warpgroups need occupancy 1 (512 threads, <= 128 registers)")
         if self.occupancy not in (1, 2):
             raise ValueError(f"Sm90Config: occupancy must be 1 or 2, got {self.occupancy}")
         if self.stream_k and self.splits[0] != 1:
