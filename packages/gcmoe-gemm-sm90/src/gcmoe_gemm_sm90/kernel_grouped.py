@@ -329,8 +329,8 @@ class GroupedGemmSm90:
         st,
     ):
         """One row's work of a CTA: M tile mt (or stream_k's CTA index) of grid row ey, K split ks, on the shared
-        memory struct st. Returns 1 where the kernel's loop goes on to row ey + R (active-first rows, and more experts
-        with rows than ey + R), else 0."""
+        memory struct st. Returns 1 where the kernel's loop goes on to row ey + R (an active-first row that found an
+        expert with rows), else 0."""
         n_tile, depth = self.n, self.prefetch
         nw = self.nwk  # windows of this CTA: [w_lo, w_lo + nw) of the tile's K (all of them without K splits)
         tidx, _, _ = cute.arch.thread_idx()
@@ -398,10 +398,11 @@ class GroupedGemmSm90:
             if ok == 0:
                 e_found = Int32(-1)
             elif cutlass.const_expr(self.cfg.active_first):
-                e_found, with_rows = self.active_expert(cnt, ey, num_experts, first, lane)
-                if ey + cute.arch.grid_dim()[1] < with_rows:  # an expert with rows beyond the grid's rows
-                    more = Int32(1)
+                e_found, _ = self.active_expert(cnt, ey, num_experts, first, lane)
             e = cutlass.max(e_found, 0)
+            if cutlass.const_expr(self.cfg.active_first):
+                if e_found >= 0:
+                    more = Int32(1)
             if e_found >= 0:
                 count = cnt[e]
                 row_base = offs[e]
