@@ -5,8 +5,11 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep expert_sync  W2 per expert after its W1 tiles (W1_DONE tags) vs after the whole W1 grid
     --sweep stream_k     the chosen config vs W1 unsplit vs W1 stream_k (equal window ranges per CTA slot)
     --sweep first        the shared experts' grid rows first (the default) vs every ring expert in expert order
-    --sweep grid         W1 / W2 grid rows bounded by the experts that can have rows (the default at world size 1 with
-                         active-first rows) vs one row per ring expert; and 4 warpgroups at N tiles <= 24
+    --sweep grid         W1 / W2 grid rows bounded by the experts that can have rows (the default with active-first
+                         rows) vs one row per ring expert vs half the bound (CTAs running rows y, y + R: what a peer's
+                         call larger than the bound costs) vs the bound of a P = 2 / 8 rank (P x bucket x top_k +
+                         shared rows: the idle CTAs such a rank launches, here with one rank's work); and 4
+                         warpgroups at N tiles <= 24
     --sweep stages       the chosen pipeline depth vs up to two stages fewer and more (bytes in flight per CTA)
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
@@ -20,10 +23,12 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 import gcmoe
+from gcmoe.backends.sm90 import Sm90Plan
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import calc_diff, make_tokens, make_weights
 from gcmoe_core.timing import L2_FLUSHES, capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
@@ -39,6 +44,7 @@ ap.add_argument(
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
 ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2])
+ap.add_argument("--ep", type=int, default=8, help="the expert parallelism each model's slice is of")
 ap.add_argument("--iters", type=int, default=20)
 ap.add_argument("--l2-flush", choices=L2_FLUSHES, default="read")
 ap.add_argument("--out", default=".")
@@ -46,7 +52,7 @@ args = ap.parse_args()
 bw = copy_bandwidth(torch.device("cuda"))
 recs = []
 for model in args.models:
-    cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=256)
+    cfg = MoEConfig.ep_slice(model, args.ep, max_tokens_per_rank=256)
     weights = make_weights(cfg, 1, "cuda")
     h, i = cfg.hidden_size, cfg.intermediate_size
     moe = MoESm90.from_weights(weights)
@@ -76,7 +82,13 @@ for model in args.models:
         elif args.sweep == "l2_prefetch":
             variants = {"chosen": chosen, "no_prefetch": chosen}
         elif args.sweep == "grid":
-            variants = {"chosen": chosen, "full_grid": chosen}
+            variants = {
+                "chosen": chosen,
+                "full_grid": chosen,
+                "half_rows": chosen,
+                "rows_p2": chosen,
+                "rows_p8": chosen,
+            }
             if chosen.n_tile <= 24:
                 variants["wg4"] = with_splits(replace(chosen, warpgroups=4, occupancy=1), chosen.splits, h, i)
         else:
@@ -92,6 +104,17 @@ for model in args.models:
             plan = layer.packed.plan  # (its grid patched before the first call captures anything)
             if name == "full_grid":  # one grid row per ring expert
                 plan.grid_rows = lambda bucket, kcfg: None
+            if name == "half_rows":  # half the bounded rows: CTAs run rows y, y + R, ... (kernel_grouped: Grid)
+
+                def half(bucket, kcfg, bound=plan.grid_rows):
+                    rows = bound(bucket, kcfg)
+                    return None if rows is None else max(1, rows // 2)
+
+                plan.grid_rows = half
+            if name.startswith("rows_p"):  # the grid of a rank of P (Sm90Plan.grid_rows with spec.ranks = P)
+                ranks = int(name[len("rows_p") :])
+                rank_plan = SimpleNamespace(spec=replace(plan.spec, ranks=ranks))
+                plan.grid_rows = lambda bucket, kcfg, p=rank_plan: Sm90Plan.grid_rows(p, bucket, kcfg)
             if name == "shared_last":  # grid rows in expert order: the shared experts (the last ring experts) last
                 plan.first_row_expert = lambda: 0
             if name == "no_prefetch":
@@ -109,6 +132,7 @@ for model in args.models:
         floor = fp4_floor_us(h, i, active, bw)
         rec = {
             "model": model,
+            "ep": args.ep,
             "tokens": t,
             "sweep": args.sweep,
             "l2_flush": args.l2_flush,
@@ -123,6 +147,6 @@ for model in args.models:
         del layers, graphs
         torch.cuda.empty_cache()
 Path(args.out).mkdir(parents=True, exist_ok=True)
-Path(args.out, f"{args.sweep.replace('_', '-')}-sweep-{args.l2_flush}.json").write_text(
-    json.dumps({"meta": run_meta(copy_tb_s=bw / 1e12), "records": recs})
-)
+Path(
+    args.out, f"{args.sweep.replace('_', '-')}-sweep-{args.l2_flush}{'' if args.ep == 8 else f'-ep{args.ep}'}.json"
+).write_text(json.dumps({"meta": run_meta(copy_tb_s=bw / 1e12), "records": recs}))

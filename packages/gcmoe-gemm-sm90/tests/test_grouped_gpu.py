@@ -158,9 +158,9 @@ def test_graph_replays_bitwise_identical_with_new_routing(splits, stream_k):
 @pytest.mark.parametrize("routing", ["one_expert", "half_empty", "uniform"])
 @pytest.mark.parametrize("splits", [(1, 1), (2, 2)], ids=["no-splits", "k-splits"])
 def test_bounded_and_rotated_grid_rows_give_the_full_grids_bits(routing, splits):
-    """W1 / W2 with active-first grid rows bounded by the experts that have rows (exactly those, and one more) and
-    rotated (the first row's expert not 0), and in-order rows rotated, store the same bits as the full grid in expert
-    order, on poisoned outputs."""
+    """W1 / W2 with active-first grid rows bounded by the experts that have rows (exactly those, and one more),
+    fewer than those (1, 2, one less: each CTA runs rows y, y + R, ...) and rotated (the first row's expert not 0),
+    and in-order rows rotated, store the same bits as the full grid in expert order, on poisoned outputs."""
     from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
 
     cfg = Sm90Config(n_tile=8, stages=3, prefetch=1, splits=splits)  # (active_first is the default)
@@ -175,6 +175,7 @@ def test_bounded_and_rotated_grid_rows_give_the_full_grids_bits(routing, splits)
     e = SMALL.num_experts
     in_order = replace(cfg, active_first=False)
     grids = [(cfg, None, 0), (cfg, active, 0), (cfg, active + 1, 0), (cfg, active, e - 1), (cfg, None, 3)]
+    grids += [(cfg, 1, 0), (cfg, 2, e - 1), (cfg, max(1, active - 1), 3)]  # fewer rows than experts with rows
     grids += [(in_order, None, 0), (in_order, None, e - 3)]
     results = []
     for c, rows, first in grids:
@@ -279,11 +280,11 @@ class RingRun:
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.hq.clone(), self.hsT.clone(), self.out.clone()
 
-    def launch(self, cfg: Sm90Config, ring: RingSync | None) -> None:
+    def launch(self, cfg: Sm90Config, ring: RingSync | None, grid_rows: int | None = None) -> None:
         m, a, lay = self.moe, self.acts, self.layout
-        hq, hsT, sk = self.hq, self.hsT, self.scratch
-        launch_w1(m.w13, a.x_rows, a.sxT, a.route_w, lay.offsets, lay.counts, hq, hsT, cfg, ring, sk)
-        launch_w2(m.w2, self.hq, self.hsT, lay.offsets, lay.counts, lay.src_slot, self.src, self.comb, cfg, ring)
+        hq, hsT, sk, rows = self.hq, self.hsT, self.scratch, dict(grid_rows=grid_rows)
+        launch_w1(m.w13, a.x_rows, a.sxT, a.route_w, lay.offsets, lay.counts, hq, hsT, cfg, ring, sk, **rows)
+        launch_w2(m.w2, hq, hsT, lay.offsets, lay.counts, lay.src_slot, self.src, self.comb, cfg, ring, **rows)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -327,6 +328,28 @@ def test_ring_mode_equals_prepared_rows(variant):
     ref = emulate_w2(unpack_sm90(moe.w2), hq, hsT, layout, torch.full_like(out, float("nan")))
     assert not out.isnan().any(), "unwritten output rows"
     assert calc_diff(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("variant", ["n16", "n16-split2", "n32-4wg"])
+def test_ring_mode_with_fewer_grid_rows_than_experts_with_rows(variant):
+    """Ring mode with 1 or 2 active-first grid rows for the 3 experts with rows (a peer's call larger than the
+    layer's bound): each CTA runs rows y, y + R, ... — W1 acquiring each expert's ring blocks and releasing its
+    W1_DONE tag, W2 acquiring it, per row — and stores the bits of the full grid; the W1_DONE pairs end as there."""
+    cfg = replace(RING_VARIANTS[variant], ring=True)
+    _, layout, _, run = _ring_setup(15, cfg)
+    run.launch(cfg, ring_sync(ring_signals(layout)))
+    torch.cuda.synchronize()
+    full = run.outputs()
+    for rows in (1, 2):
+        sig = ring_signals(layout)
+        run.poison()
+        run.launch(cfg, ring_sync(sig), grid_rows=rows)
+        torch.cuda.synchronize()
+        for name, a, b in zip(("hq", "hsT", "out"), full, run.outputs(), strict=True):
+            assert _bits_equal(a, b), f"{rows} rows, {name}: {first_mismatch(a, b)}"
+        w1d = sig_w1_done(sig)
+        assert sig[w1d:].view(-1, 2).tolist() == [[0, int(c > 0)] for c in RING_COUNTS]
+        assert sig[SIG_ERR] == 0
 
 
 def _ring_warmed(seed: int):

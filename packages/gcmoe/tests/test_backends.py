@@ -113,8 +113,9 @@ def test_sm90_grid_rows_bound_every_ring_layout_and_lead_with_the_shared_experts
     """The sm90 plan's W1 / W2 grid (pure Python, no GPU: the methods on a stand-in plan): at world size 1 with
     active-first rows the routed experts with rows of any call of up to `bucket` tokens — random, skewed and
     all-distinct routings through the ring's own dispatch model — never exceed grid_rows (a smaller grid would leave
-    an expert uncomputed); with P ranks, or rows in expert order, there is no bound; the first row runs the first
-    shared ring expert (the one with the most N tiles), expert 0 without shared experts."""
+    CTAs running more rows each); with P ranks the bound counts P calls of `bucket` tokens (a peer's larger call
+    is run by the kernels' row loop: test_grouped_gpu); rows in expert order have no bound; the first row runs the
+    first shared ring expert (the one with the most N tiles), expert 0 without shared experts."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -133,7 +134,8 @@ def test_sm90_grid_rows_bound_every_ring_layout_and_lead_with_the_shared_experts
     assert spec.shared == 0 or first == spec.ring_experts - spec.shared  # the shared experts are the last ring experts
     kcfg = Sm90Config(n_tile=8, active_first=True)
     assert Sm90Plan.grid_rows(plan, 4, replace(kcfg, active_first=False)) is None
-    assert Sm90Plan.grid_rows(SimpleNamespace(spec=replace(spec, ranks=2)), 4, kcfg) is None
+    p2 = Sm90Plan.grid_rows(SimpleNamespace(spec=replace(spec, ranks=2)), 4, kcfg)
+    assert p2 == min(spec.ring_experts, min(spec.local_experts, 2 * 4 * cfg.top_k) + spec.shared)
     g = torch.Generator().manual_seed(7)
     for bucket in (1, 2, 4, 8, 16):
         rows = Sm90Plan.grid_rows(plan, bucket, kcfg)

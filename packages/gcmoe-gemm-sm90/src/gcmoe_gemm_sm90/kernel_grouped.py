@@ -73,11 +73,15 @@ Inputs (see ops.py for how they are made):
 Grid [M tiles, rows, K splits]: with cfg.active_first, grid row y runs the y-th expert that has rows (a ballot over cnt
 in every warp), so the CTAs of empty experts launch after all CTAs with work (1.04-1.12x at one token per rank, where
 75-80 % of the experts are empty; 0.97-1.0x when nearly all have rows: sm90-grouped-v7); else row y runs expert y.
-rows (the `ctas` argument): E, or with active_first any bound the caller knows on the experts that have rows (a
-world-size-1 layer: its bucket x top_k routed + the shared experts), so the CTAs of empty experts never launch: at one
-token per rank they were 80 % of the grid, and where W1 runs K-split clusters that fill the SM slots they queued
-behind the working CTAs to the end of W1, holding back W2's programmatic launch (the layer 1.11x faster for
-DeepSeek-V4-Flash at T = 1, 1.04x for DeepSeek-V3 at T = 2; H200, 2026-12-01).
+rows (the `ctas` argument) R: E, or with active_first any number: a CTA of grid row y runs the rows y, y + R,
+y + 2 R, ... below the count of experts with rows (the stages' mbarriers re-armed between rows), so every expert with
+rows is run whatever R is. The caller passes its expected bound on the experts that have rows (the layer: P x its
+bucket x top_k routed + the shared experts), so the CTAs of empty experts never launch and each CTA normally runs one
+row: at one token per rank they were 80 % of a world-size-1 grid (97 % of a V4-Flash P = 2 rank's: 129 rows for 7
+experts with rows), and where W1 runs K-split clusters that fill the SM slots they queued behind the working CTAs to
+the end of W1, holding back W2's programmatic launch (the layer 1.11x faster for DeepSeek-V4-Flash at T = 1, 1.04x
+for DeepSeek-V3 at T = 2; H200, 2026-12-01). A peer whose call brings more tokens than the bound costs extra rows
+on the same CTAs, never a missed expert.
 first (rotation): grid row y runs expert first + y (mod E), and active-first rows count the experts with rows in
 that order, so the experts the caller expects to take longest launch first: the layer puts its shared experts
 (every token of the rank: more N tiles than any routed expert from T = 16 on) at row 0, where they used to launch
@@ -283,10 +287,53 @@ class GroupedGemmSm90:
         tiled_mma: cute.TiledMma,
         b_smem_staged: cute.ComposedLayout,
     ):
+        mt, ey, ks = cute.arch.block_idx()  # ks: K split = rank in the cluster (clusters run along z)
+        st = utils.SmemAllocator().allocate(self.shared)
+        # grid rows ey, ey + R, ey + 2 R, ... (R = the grid's rows) while they find experts with rows (active-first
+        # rows only: see the module docstring, Grid); every other config runs one row
+        rows = cute.arch.grid_dim()[1]
+        y = ey
+        more = Int32(1)
+        while more != 0:
+            cute.arch.barrier()  # the previous row's readers of the stages' mbarriers are done before they re-arm
+            more = self.body(
+                wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, sig, ticket, timeout_ns,
+                num_experts, first, tiled_mma, b_smem_staged, mt, y, ks, st,
+            )  # fmt: skip
+            y = y + rows
+
+    @cute.jit
+    def body(
+        self,
+        wq: cute.Tensor,
+        ws: cute.Tensor,
+        tma_atom: cute.CopyAtom,
+        tma_x: cute.Tensor,
+        sxT: cute.Tensor,
+        offs: cute.Tensor,
+        cnt: cute.Tensor,
+        lut: cute.Tensor,
+        ep_a: cute.Tensor,
+        ep_b: cute.Tensor,
+        ep_c: cute.Tensor,
+        sig: tuple,
+        ticket: Int32,
+        timeout_ns: Int64,
+        num_experts: Int32,
+        first: Int32,
+        tiled_mma: cute.TiledMma,
+        b_smem_staged: cute.ComposedLayout,
+        mt: Int32,
+        ey: Int32,
+        ks: Int32,
+        st,
+    ):
+        """One row's work of a CTA: M tile mt (or stream_k's CTA index) of grid row ey, K split ks, on the shared
+        memory struct st. Returns 1 where the kernel's loop goes on to row ey + R (active-first rows, and more experts
+        with rows than ey + R), else 0."""
         n_tile, depth = self.n, self.prefetch
         nw = self.nwk  # windows of this CTA: [w_lo, w_lo + nw) of the tile's K (all of them without K splits)
         tidx, _, _ = cute.arch.thread_idx()
-        mt, ey, ks = cute.arch.block_idx()  # ks: K split = rank in the cluster (clusters run along z)
         w_lo = ks * nw
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         # warpgroup q: rows [128 wg, 128 wg + 128) of the tile; with 4 warpgroups only its subtile sb of them
@@ -298,8 +345,6 @@ class GroupedGemmSm90:
         t0 = lane % 4
         wwarp = tw // 32  # warp within the warpgroup
 
-        smem = utils.SmemAllocator()
-        st = smem.allocate(self.shared)
         slut = st.lut.get_tensor(cute.make_layout(32))
         sflag = st.flag.get_tensor(cute.make_layout(8))
         sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]
@@ -324,6 +369,7 @@ class GroupedGemmSm90:
         u0 = Int32(0)  # stream_k: the CTA's units (depth windows each) [u0, u1) of `units`
         u1 = Int32(0)
         units = Int32(0)
+        more = Int32(0)  # (see the docstring)
         if cutlass.const_expr(self.stream_k):
             _, _, _, tiles = self.locate_tile(cnt, Int32(-1), num_experts, lane)
             if ok == 0:
@@ -352,7 +398,9 @@ class GroupedGemmSm90:
             if ok == 0:
                 e_found = Int32(-1)
             elif cutlass.const_expr(self.cfg.active_first):
-                e_found = self.active_expert(cnt, ey, num_experts, first, lane)
+                e_found, with_rows = self.active_expert(cnt, ey, num_experts, first, lane)
+                if ey + cute.arch.grid_dim()[1] < with_rows:  # an expert with rows beyond the grid's rows
+                    more = Int32(1)
             e = cutlass.max(e_found, 0)
             if e_found >= 0:
                 count = cnt[e]
@@ -585,6 +633,7 @@ class GroupedGemmSm90:
                     cute.arch.cluster_wait()
         if cutlass.const_expr(self.expert_sync and self.is_w1 and not self.stream_k):
             self.release_expert(sig, sflag, tidx)
+        return more
 
     @cute.jit
     def acquire_ring(self, sig: tuple, ticket: Int32, timeout_ns: Int64, sflag: cute.Tensor, tidx: Int32, ks: Int32):
@@ -674,10 +723,10 @@ class GroupedGemmSm90:
         cute.arch.fence_proxy("async.global")
 
     @cute.jit
-    def active_expert(self, cnt: cute.Tensor, j: Int32, num_experts: Int32, first: Int32, lane: Int32) -> Int32:
-        """The j-th (from 0) expert with rows in the order first, first + 1, ..., E - 1, 0, ..., first - 1, or -1
-        where fewer than j + 1 have rows. Every warp computes it on its own: a ballot over the counts of 32 experts
-        per step."""
+    def active_expert(self, cnt: cute.Tensor, j: Int32, num_experts: Int32, first: Int32, lane: Int32):
+        """(the j-th (from 0) expert with rows in the order first, first + 1, ..., E - 1, 0, ..., first - 1, or -1
+        where fewer than j + 1 have rows; how many have rows). Every warp computes it on its own: a ballot over the
+        counts of 32 experts per step."""
         found = Int32(-1)
         seen = Int32(0)
         for base in cutlass.range(0, num_experts, 32, unroll=1):
@@ -690,7 +739,7 @@ class GroupedGemmSm90:
             if hit != 0:
                 found = (base + 31 - Int32(cute.arch.clz(hit)) + first) % num_experts
             seen = seen + Int32(cute.arch.popc(active))
-        return found
+        return found, seen
 
     @cute.jit
     def reduce_splits(

@@ -100,8 +100,9 @@ def _launch(
     first_expert: int = 0,
 ):
     """extra: the epilogue's fp32 operands whose addresses follow the signal words (cfg.bias: W1 b13; W2 b2,
-    route_w), checked by the caller. grid_rows: a bound on the experts with rows (cfg.active_first only; default:
-    every expert); first_expert: the expert of the first grid row (the rows rotate), see kernel_grouped (Grid)."""
+    route_w), checked by the caller. grid_rows: the grid's rows, below E only with cfg.active_first (default: every
+    expert; fewer rows than experts with rows only make CTAs run more rows); first_expert: the expert of the first
+    grid row (the rows rotate), see kernel_grouped (Grid)."""
     import cuda.bindings.driver as cuda
 
     from gcmoe_core.cutedsl import cutlass_modules, target_arch

@@ -187,14 +187,15 @@ class Sm90Plan:
         return self.spec.local_experts if self.spec.shared else 0
 
     def grid_rows(self, bucket: int, kcfg) -> int | None:
-        """The W1 / W2 grid rows of a bucket: at world size 1 with active-first rows, the ring experts that can have
-        rows (bucket x top_k routed ids, at most the local experts, + the shared experts): the CTAs of the others
-        are not launched (gcmoe_gemm_sm90.kernel_grouped: Grid). None (one row per ring expert) otherwise: with P
-        ranks a peer's call may bring more tokens than this rank's bucket."""
+        """The W1 / W2 grid rows of a bucket with active-first rows: the ring experts that can have rows when every
+        rank calls with at most this bucket (P x bucket x top_k routed ids, at most the local experts, + the shared
+        experts): the CTAs of the others are not launched. A peer whose call brings more tokens is still covered:
+        the kernels' CTAs go on to rows y + R while they find experts with rows (gcmoe_gemm_sm90.kernel_grouped:
+        Grid). None (one row per ring expert) without active-first rows."""
         s = self.spec
-        if s.ranks > 1 or not kcfg.active_first:
+        if not kcfg.active_first:
             return None
-        return min(s.ring_experts, min(s.local_experts, bucket * s.top_k) + s.shared)
+        return min(s.ring_experts, min(s.local_experts, s.ranks * bucket * s.top_k) + s.shared)
 
     # -- LayerPlan
     def forward(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
