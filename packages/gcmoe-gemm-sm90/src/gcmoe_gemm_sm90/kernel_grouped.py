@@ -198,6 +198,16 @@ class GroupedGemmSm90:
         stream: cuda.CUstream,
     ):
         f8 = cutlass.Float8E4M3FN
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            f8,
+            f8,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            (1, 1, 1),
+            (64, self.n),
+            warpgroup.OperandSource.RMEM,
+        )
         b_layout = utils.LayoutEnum.from_tensor(x)
         b_smem_staged = sm90_utils.make_smem_layout_b(b_layout, (64, self.n, WINDOW_K), f8, self.stages)
         b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
@@ -241,6 +251,7 @@ class GroupedGemmSm90:
             timeout_ns,
             num_experts,
             first,
+            tiled_mma,
             b_smem_staged,
         ).launch(
             # ctas: stream_k's CTAs, else the grid rows (see the module docstring: Grid)
@@ -273,6 +284,7 @@ class GroupedGemmSm90:
         timeout_ns: Int64,
         num_experts: Int32,
         first: Int32,
+        tiled_mma: cute.TiledMma,
         b_smem_staged: cute.ComposedLayout,
     ):
         mt, ey, ks = cute.arch.block_idx()  # ks: K split = rank in the cluster (clusters run along z)
@@ -286,7 +298,7 @@ class GroupedGemmSm90:
             cute.arch.barrier()  # the previous row's readers of the stages' mbarriers are done before they re-arm
             more = self.body(
                 wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, sig, ticket, timeout_ns,
-                num_experts, first, b_smem_staged, mt, y, ks, st,
+                num_experts, first, tiled_mma, b_smem_staged, mt, y, ks, st,
             )  # fmt: skip
             y = y + rows
 
@@ -309,6 +321,7 @@ class GroupedGemmSm90:
         timeout_ns: Int64,
         num_experts: Int32,
         first: Int32,
+        tiled_mma: cute.TiledMma,
         b_smem_staged: cute.ComposedLayout,
         mt: Int32,
         ey: Int32,
@@ -323,8 +336,21 @@ class GroupedGemmSm90:
         tidx, _, _ = cute.arch.thread_idx()
         w_lo = ks * nw
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        # warpgroup q: rows [128 wg, 128 wg + 128) of the tile; with 4 warpgroups only its subtile sb of them
+        wg = tidx // 128 if self.wgs == 2 else tidx // 256
+        sb = 0 if self.wgs == 2 else (tidx // 128) % 2  # first subtile (of 2) of the warpgroup's rows
+        tw = tidx % 128
         lane = tidx % 32
+        g = lane // 4
+        t0 = lane % 4
+        wwarp = tw // 32  # warp within the warpgroup
+
+        slut = st.lut.get_tensor(cute.make_layout(32))
         sflag = st.flag.get_tensor(cute.make_layout(8))
+        sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]
+        ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1))
+        ssx = st.ssx.get_tensor(ssx_layout)  # [window, token column] of the current N tile
+        sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         skt = st.skt.get_tensor(cute.make_layout((5, SK_TABLE if self.stream_k else 1)))
 
         if cutlass.const_expr(self.cfg.pdl and self.is_w1 and not self.cfg.ring):
@@ -385,258 +411,228 @@ class GroupedGemmSm90:
             # W2 may launch once every W1 CTA has read the row layout: a CTA without rows reads and writes nothing
             # of the call after this, one with rows is awaited by W2 (W1_DONE or the grid dependency)
             cute.arch.griddepcontrol_launch_dependents()
-        for _ in cutlass.range(cutlass.min(total, 1), unroll=1):
-            # a CTA without work (an idle grid row: its expert has no rows, or a failed acquire) ends here: no
-            # pipeline, barriers or cluster syncs (all CTAs of a K-split cluster share the row), so the idle CTAs
-            # of a loose grid bound (a P-rank layer) free their SM slots within one round trip. A loop of 0 or 1
-            # trips, not an `if`: with the `if` ptxas spilled a register in gpt-oss's N 80 W2 (test_grouped_compile).
-            # The MMA is made here, not passed in: mma_window rebinds its accumulate field in place, which the DSL
-            # cannot carry out of this region.
-            tiled_mma = self.make_tiled_mma()
-            # warpgroup q: rows [128 wg, 128 wg + 128) of the tile; with 4 warpgroups only its subtile sb of them
-            wg = tidx // 128 if self.wgs == 2 else tidx // 256
-            sb = 0 if self.wgs == 2 else (tidx // 128) % 2  # first subtile (of 2) of the warpgroup's rows
-            tw = tidx % 128
-            g = lane // 4
-            t0 = lane % 4
-            wwarp = tw // 32  # warp within the warpgroup
-            slut = st.lut.get_tensor(cute.make_layout(32))
-            sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]
-            ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1))
-            ssx = st.ssx.get_tensor(ssx_layout)  # [window, token column] of the current N tile
-            sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
-            if cutlass.const_expr(self.expert_sync and self.is_w1):
-                if (
-                    tidx == 0
-                ):  # for release_expert after the tiles (kept in shared memory, not in registers over the loop)
-                    sflag[2] = e
-                    sflag[3] = count
-                    if ks != 0:  # the cluster's leader counts the M tile (K splits)
-                        sflag[3] = Int32(0)
-                    sflag[4] = Int32(sig[5] & 0xFFFFFFFF)
-                    sflag[5] = Int32(sig[5] >> 32)
-                    sflag[6] = Int32(self.m_tiles)
+        if cutlass.const_expr(self.expert_sync and self.is_w1):
+            if tidx == 0:  # for release_expert after the tiles (kept in shared memory, not in registers over the loop)
+                sflag[2] = e
+                sflag[3] = count
+                if ks != 0:  # the cluster's leader counts the M tile (K splits)
+                    sflag[3] = Int32(0)
+                sflag[4] = Int32(sig[5] & 0xFFFFFFFF)
+                sflag[5] = Int32(sig[5] >> 32)
+                sflag[6] = Int32(self.m_tiles)
 
-            if warp_idx == 0:
-                cpasync.prefetch_descriptor(tma_atom)
-            if tidx < 32:
-                slut[tidx] = lut[tidx]
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom)
+        if tidx < 32:
+            slut[tidx] = lut[tidx]
 
-            b_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(b_smem_staged, (None, None, 0)))
-            pipe = pipeline.PipelineTmaAsync.create(
-                barrier_storage=st.mbar.data_ptr(),
-                num_stages=self.stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
-                tx_count=b_bytes + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES,
-                cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-            )
-            cute.arch.barrier()
-            if cutlass.const_expr(self.splits > 1):
-                # every CTA of the cluster has started before any pushes into the leader's shared memory
-                cute.arch.cluster_arrive_relaxed()
-                cute.arch.cluster_wait()
-
-            # a stage's weights as [word, thread, fragment (wg, subtile, half), stage], its scale records [row, stage]
-            sW = st.sW.get_tensor(cute.make_layout((4, 128, 8, self.stages), stride=(1, 4, 512, 4096)))
-            sS = st.sS.get_tensor(cute.make_layout((TILE_M, self.stages), stride=(1, TILE_M)))
-            thr_mma = tiled_mma.get_slice(tw)
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))  # (MMA, 1, 4 k32, stages)
-            a_shape = thr_mma.partition_shape_A((64, WINDOW_K))
-            c_shape = thr_mma.partition_shape_C((64, n_tile))
-            # A fragments and window accumulators of subtiles 0 and 1
-            frag0 = cute.make_rmem_tensor(a_shape, cutlass.Float8E4M3FN)
-            frag1 = cute.make_rmem_tensor(a_shape, cutlass.Float8E4M3FN)
-            fw0 = cute.recast_tensor(frag0, Int32)
-            fw1 = cute.recast_tensor(frag1, Int32)
-            accw0 = cute.make_rmem_tensor(c_shape, Float32)
-            accw1 = cute.make_rmem_tensor(c_shape, Float32)
-            acc0 = cute.make_rmem_tensor(c_shape, Float32)
-            acc1 = cute.make_rmem_tensor(c_shape, Float32)
-            nacc = self.subs * cute.size(c_shape)  # accumulators per thread
-            part_layout = cute.make_layout(
-                (max(1, self.splits - 1), nacc, self.threads), stride=(nacc * self.threads, self.threads, 1)
-            )
-
-            # the window being decoded, read from its stage: abuf[word 0..3, half, sub, slot], sbuf[row u, sub, slot]
-            abuf = cute.make_rmem_tensor((4, 2, 2, depth), Int32)
-            sbuf = cute.make_rmem_tensor((2, 2, depth), Int32)
-            rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales [row u, sub] of the window in flight
-
-            srow0 = 128 * wg + 16 * wwarp + g  # CTA row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
-            # bulk-copy bases: the window records in global memory, the stages in shared memory
-            w_base = wq.iterator.toint()
-            s_base = ws.iterator.toint()
-            w_dst = st.sW.data_ptr().toint()
-            s_dst = st.sS.data_ptr().toint()
-            lc = (mt, e, row_base, w_lo, u0, num_experts, skt)  # what load_coords needs
-
-            prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            prev = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            issued = Int32(0)
-            # prologue, S - 1 stages: the weights first (they depend on no earlier kernel), then W2 waits for W1 (PDL:
-            # W2's CTAs start in W1's tail and stream weights meanwhile) and W1 for its ring blocks, then the
-            # activation boxes
-            if warp_idx == 0:  # the whole warp: the pipeline's arrive and the TMA issue elect one lane themselves
-                pre = prod.clone()
-                for i in cutlass.range_constexpr(self.stages - 1):
-                    if i < total:
-                        rec, _, _ = self.load_coords(cnt, offs, lc, i, lane)
-                        self.produce_weights(pipe, pre, rec, w_base, s_base, w_dst, s_dst)
-                        pre.advance()
-            if cutlass.const_expr(self.expert_sync and not self.is_w1):
-                self.acquire_expert(sig, gen, timeout_ns, e, count, tidx)
-            elif cutlass.const_expr(self.cfg.pdl and not self.is_w1):
-                cute.arch.griddepcontrol_wait()
-            if cutlass.const_expr(self.cfg.pdl and not self.is_w1):
-                cute.arch.griddepcontrol_launch_dependents()
-            if cutlass.const_expr(self.cfg.ring and self.is_w1):
-                if cutlass.const_expr(self.stream_k):
-                    for p in cutlass.range(npieces, unroll=1):  # every expert the CTA's pieces read
-                        pe, _, _, _, _, _ = self.work_piece(cnt, p, e, mt, u0, u1, num_experts, lane, skt)
-                        self.acquire_blocks(sig, gen, timeout_ns, offs[pe], cnt[pe], tidx)
-                else:
-                    self.acquire_blocks(sig, gen, timeout_ns, row_base, count, tidx)
-            if warp_idx == 0:
-                for _ in cutlass.range_constexpr(self.stages - 1):
-                    if issued < total:
-                        _, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
-                        self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
-                        prod.advance()
-                        issued += 1
-
-            for piece in cutlass.range(npieces, unroll=1):
-                pe, pmt, pnt, wa, wb, pa = self.work_piece(cnt, piece, e, mt, u0, u1, num_experts, lane, skt)
-                prow = row_base
-                pcount = count
-                if cutlass.const_expr(self.stream_k):
-                    prow = offs[pe]
-                    pcount = cnt[pe]
-                acc0.fill(0.0)
-                acc1.fill(0.0)
-                col_base = pnt * n_tile
-                # the tile's activation scales, every window, into shared memory once: no global-load latency inside
-                # the window loop (the previous tile's readers are past the first barrier); columns past the expert's
-                # rows read nothing (they may lie past the end of the rows)
-                cute.arch.barrier()
-                for r in cutlass.range_constexpr(-(-nw * n_tile // self.threads)):
-                    i = tidx + self.threads * r
-                    if i < nw * n_tile:
-                        wi = i // n_tile
-                        c = i - wi * n_tile
-                        v = Float32(0.0)
-                        if col_base + c < pcount:
-                            v = sxT[w_lo + wi, prow + col_base + c]
-                        ssx[wi, c] = v
-                cute.arch.barrier()
-                # per window w: wait for window w - 1's WGMMAs, release its stage, refill, promote it; decode subtile 0
-                # of w, issue its WGMMAs; decode subtile 1 while they run (cfg.overlap; else before them), issue its
-                # WGMMAs (two commit groups). The wait is unconditional and waits for all before any accumulator is read
-                # or fragment 0 rewritten: otherwise ptxas serialises every WGMMA (C7513 / C7515, e.g. for a wait under
-                # `if w > 0`, or a promote after wait_group(1); the compile test checks the waits per QGMMA).
-                for w0 in cutlass.range(wa, wb, depth, unroll=1):
-                    for j in cutlass.range_constexpr(depth):
-                        w = w0 + j
-                        warpgroup.wait_group(0)
-                        if w > wa:
-                            pipe.consumer_release(prev)
-                            if warp_idx == 0:
-                                if issued < total:
-                                    rec, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
-                                    self.produce_weights(pipe, prod, rec, w_base, s_base, w_dst, s_dst)
-                                    self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
-                                    prod.advance()
-                                    issued += 1
-                            self.promote(acc0, accw0, rs, ssx, w - 1, t0, 0)
-                            if cutlass.const_expr(self.subs == 2):
-                                self.promote(acc1, accw1, rs, ssx, w - 1, t0, 1)
-                        pipe.consumer_wait(cons)
-                        self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, j)
-                        self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
-                        if cutlass.const_expr(self.subs == 2 and not self.cfg.overlap):
-                            self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
-                        warpgroup.fence()
-                        self.mma_window(tiled_mma, accw0, frag0, tCrB, cons.index)
-                        if cutlass.const_expr(self.subs == 2):
-                            if cutlass.const_expr(self.cfg.overlap):
-                                warpgroup.commit_group()
-                                self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
-                                warpgroup.fence()
-                            self.mma_window(tiled_mma, accw1, frag1, tCrB, cons.index)
-                        warpgroup.commit_group()
-                        prev = cons.clone()
-                        cons.advance()
-                # drain the piece: the last window's MMAs, release its stage, promote
-                warpgroup.wait_group(0)
-                pipe.consumer_release(prev)
-                if warp_idx == 0:
-                    if issued < total:
-                        rec, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
-                        self.produce_weights(pipe, prod, rec, w_base, s_base, w_dst, s_dst)
-                        self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
-                        prod.advance()
-                        issued += 1
-                self.promote(acc0, accw0, rs, ssx, wb - 1, t0, 0)
-                if cutlass.const_expr(self.subs == 2):
-                    self.promote(acc1, accw1, rs, ssx, wb - 1, t0, 1)
-                if cutlass.const_expr(self.splits > 1):
-                    self.reduce_splits(
-                        acc0, acc1, st.part.data_ptr().toint(), st.part.get_tensor(part_layout), ks, tidx
-                    )
-                finish = Int32(0)
-                if ks == 0:  # the cluster's leader (every CTA without K splits) finishes the tile
-                    finish = Int32(1)
-                if cutlass.const_expr(self.stream_k):
-                    if wb - wa < nw:  # a part of the tile's windows: the tile's last piece to arrive finishes it
-                        finish = self.reduce_pieces(acc0, acc1, accw0, accw1, sig, sflag, pa, mt, u0, units, tidx)
-                if finish != 0:
-                    if cutlass.const_expr(self.is_w1):
-                        self.epilogue_w1(
-                            acc0,
-                            acc1,
-                            sred,
-                            ep_a,
-                            ep_b,
-                            ep_c,
-                            pmt,
-                            wg,
-                            sb,
-                            wwarp,
-                            g,
-                            t0,
-                            prow + col_base,
-                            pcount - col_base,
-                            pe,
-                            sig,
-                        )
-                        if cutlass.const_expr(self.stream_k and self.expert_sync):
-                            # every (N tile, M tile) of the expert counts once in W1_DONE
-                            if tidx == 0:
-                                sflag[2] = pe
-                                sflag[3] = pcount
-                                sflag[6] = (pcount + n_tile - 1) // n_tile * self.m_tiles
-                            self.release_expert(sig, sflag, tidx)
-                    else:
-                        valid = pcount - col_base
-                        if cutlass.const_expr(self.cfg.ring):
-                            if ld_u32(sig[3]) != 0:  # a wait of this call failed: store nothing
-                                valid = Int32(0)
-                        self.epilogue_w2(
-                            acc0, acc1, ep_a, ep_b, ep_c, pmt, wg, sb, wwarp, g, t0, prow + col_base, valid, pe, sig
-                        )
-                if cutlass.const_expr(self.splits > 1):
-                    if piece + 1 < npieces:  # the leader has read this tile's partials before they are pushed again
-                        cute.arch.cluster_arrive()
-                        cute.arch.cluster_wait()
-            if cutlass.const_expr(self.expert_sync and self.is_w1 and not self.stream_k):
-                self.release_expert(sig, sflag, tidx)
+        b_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(b_smem_staged, (None, None, 0)))
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            tx_count=b_bytes + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        cute.arch.barrier()
         if cutlass.const_expr(self.splits > 1):
-            if total == 0:
-                # an idle row's cluster: the followers read the leader's flags from its shared memory (acquire_ring),
-                # which it must not leave (exit) before they have (the working rows' first cluster barrier does this)
-                cute.arch.cluster_arrive()
-                cute.arch.cluster_wait()
+            # every CTA of the cluster has started before any pushes into the leader's shared memory
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+
+        # a stage's weights as [word, thread, fragment (wg, subtile, half), stage], its scale records [row, stage]
+        sW = st.sW.get_tensor(cute.make_layout((4, 128, 8, self.stages), stride=(1, 4, 512, 4096)))
+        sS = st.sS.get_tensor(cute.make_layout((TILE_M, self.stages), stride=(1, TILE_M)))
+        thr_mma = tiled_mma.get_slice(tw)
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))  # (MMA, 1, 4 k32, stages)
+        a_shape = thr_mma.partition_shape_A((64, WINDOW_K))
+        c_shape = thr_mma.partition_shape_C((64, n_tile))
+        # A fragments and window accumulators of subtiles 0 and 1
+        frag0 = cute.make_rmem_tensor(a_shape, cutlass.Float8E4M3FN)
+        frag1 = cute.make_rmem_tensor(a_shape, cutlass.Float8E4M3FN)
+        fw0 = cute.recast_tensor(frag0, Int32)
+        fw1 = cute.recast_tensor(frag1, Int32)
+        accw0 = cute.make_rmem_tensor(c_shape, Float32)
+        accw1 = cute.make_rmem_tensor(c_shape, Float32)
+        acc0 = cute.make_rmem_tensor(c_shape, Float32)
+        acc1 = cute.make_rmem_tensor(c_shape, Float32)
+        nacc = self.subs * cute.size(c_shape)  # accumulators per thread
+        part_layout = cute.make_layout(
+            (max(1, self.splits - 1), nacc, self.threads), stride=(nacc * self.threads, self.threads, 1)
+        )
+
+        # the window being decoded, read from its stage: abuf[word 0..3, half, sub, slot], sbuf[row u, sub, slot]
+        abuf = cute.make_rmem_tensor((4, 2, 2, depth), Int32)
+        sbuf = cute.make_rmem_tensor((2, 2, depth), Int32)
+        rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales [row u, sub] of the window in flight
+
+        srow0 = 128 * wg + 16 * wwarp + g  # CTA row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
+        # bulk-copy bases: the window records in global memory, the stages in shared memory
+        w_base = wq.iterator.toint()
+        s_base = ws.iterator.toint()
+        w_dst = st.sW.data_ptr().toint()
+        s_dst = st.sS.data_ptr().toint()
+        lc = (mt, e, row_base, w_lo, u0, num_experts, skt)  # what load_coords needs
+
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        prev = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        issued = Int32(0)
+        # prologue, S - 1 stages: the weights first (they depend on no earlier kernel), then W2 waits for W1 (PDL:
+        # W2's CTAs start in W1's tail and stream weights meanwhile) and W1 for its ring blocks, then the
+        # activation boxes
+        if warp_idx == 0:  # the whole warp: the pipeline's arrive and the TMA issue elect one lane themselves
+            pre = prod.clone()
+            for i in cutlass.range_constexpr(self.stages - 1):
+                if i < total:
+                    rec, _, _ = self.load_coords(cnt, offs, lc, i, lane)
+                    self.produce_weights(pipe, pre, rec, w_base, s_base, w_dst, s_dst)
+                    pre.advance()
+        if cutlass.const_expr(self.expert_sync and not self.is_w1):
+            self.acquire_expert(sig, gen, timeout_ns, e, count, tidx)
+        elif cutlass.const_expr(self.cfg.pdl and not self.is_w1):
+            cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.cfg.pdl and not self.is_w1):
+            cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.cfg.ring and self.is_w1):
+            if cutlass.const_expr(self.stream_k):
+                for p in cutlass.range(npieces, unroll=1):  # every expert the CTA's pieces read
+                    pe, _, _, _, _, _ = self.work_piece(cnt, p, e, mt, u0, u1, num_experts, lane, skt)
+                    self.acquire_blocks(sig, gen, timeout_ns, offs[pe], cnt[pe], tidx)
+            else:
+                self.acquire_blocks(sig, gen, timeout_ns, row_base, count, tidx)
+        if warp_idx == 0:
+            for _ in cutlass.range_constexpr(self.stages - 1):
+                if issued < total:
+                    _, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
+                    self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
+                    prod.advance()
+                    issued += 1
+
+        for piece in cutlass.range(npieces, unroll=1):
+            pe, pmt, pnt, wa, wb, pa = self.work_piece(cnt, piece, e, mt, u0, u1, num_experts, lane, skt)
+            prow = row_base
+            pcount = count
+            if cutlass.const_expr(self.stream_k):
+                prow = offs[pe]
+                pcount = cnt[pe]
+            acc0.fill(0.0)
+            acc1.fill(0.0)
+            col_base = pnt * n_tile
+            # the tile's activation scales, every window, into shared memory once: no global-load latency inside the
+            # window loop (the previous tile's readers are past the first barrier); columns past the expert's rows read
+            # nothing (they may lie past the end of the rows)
+            cute.arch.barrier()
+            for r in cutlass.range_constexpr(-(-nw * n_tile // self.threads)):
+                i = tidx + self.threads * r
+                if i < nw * n_tile:
+                    wi = i // n_tile
+                    c = i - wi * n_tile
+                    v = Float32(0.0)
+                    if col_base + c < pcount:
+                        v = sxT[w_lo + wi, prow + col_base + c]
+                    ssx[wi, c] = v
+            cute.arch.barrier()
+            # per window w: wait for window w - 1's WGMMAs, release its stage, refill, promote it; decode subtile 0 of
+            # w, issue its WGMMAs; decode subtile 1 while they run (cfg.overlap; else before them), issue its WGMMAs
+            # (two commit groups). The wait is unconditional and waits for all before any accumulator is read or
+            # fragment 0 rewritten: otherwise ptxas serialises every WGMMA (C7513 / C7515, e.g. for a wait under
+            # `if w > 0`, or a promote after wait_group(1); the compile test checks the waits per QGMMA).
+            for w0 in cutlass.range(wa, wb, depth, unroll=1):
+                for j in cutlass.range_constexpr(depth):
+                    w = w0 + j
+                    warpgroup.wait_group(0)
+                    if w > wa:
+                        pipe.consumer_release(prev)
+                        if warp_idx == 0:
+                            if issued < total:
+                                rec, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
+                                self.produce_weights(pipe, prod, rec, w_base, s_base, w_dst, s_dst)
+                                self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
+                                prod.advance()
+                                issued += 1
+                        self.promote(acc0, accw0, rs, ssx, w - 1, t0, 0)
+                        if cutlass.const_expr(self.subs == 2):
+                            self.promote(acc1, accw1, rs, ssx, w - 1, t0, 1)
+                    pipe.consumer_wait(cons)
+                    self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, j)
+                    self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
+                    if cutlass.const_expr(self.subs == 2 and not self.cfg.overlap):
+                        self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                    warpgroup.fence()
+                    self.mma_window(tiled_mma, accw0, frag0, tCrB, cons.index)
+                    if cutlass.const_expr(self.subs == 2):
+                        if cutlass.const_expr(self.cfg.overlap):
+                            warpgroup.commit_group()
+                            self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                            warpgroup.fence()
+                        self.mma_window(tiled_mma, accw1, frag1, tCrB, cons.index)
+                    warpgroup.commit_group()
+                    prev = cons.clone()
+                    cons.advance()
+            # drain the piece: the last window's MMAs, release its stage, promote
+            warpgroup.wait_group(0)
+            pipe.consumer_release(prev)
+            if warp_idx == 0:
+                if issued < total:
+                    rec, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
+                    self.produce_weights(pipe, prod, rec, w_base, s_base, w_dst, s_dst)
+                    self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
+                    prod.advance()
+                    issued += 1
+            self.promote(acc0, accw0, rs, ssx, wb - 1, t0, 0)
+            if cutlass.const_expr(self.subs == 2):
+                self.promote(acc1, accw1, rs, ssx, wb - 1, t0, 1)
+            if cutlass.const_expr(self.splits > 1):
+                self.reduce_splits(acc0, acc1, st.part.data_ptr().toint(), st.part.get_tensor(part_layout), ks, tidx)
+            finish = Int32(0)
+            if ks == 0:  # the cluster's leader (every CTA without K splits) finishes the tile
+                finish = Int32(1)
+            if cutlass.const_expr(self.stream_k):
+                if wb - wa < nw:  # a part of the tile's windows: the tile's last piece to arrive finishes it
+                    finish = self.reduce_pieces(acc0, acc1, accw0, accw1, sig, sflag, pa, mt, u0, units, tidx)
+            if finish != 0:
+                if cutlass.const_expr(self.is_w1):
+                    self.epilogue_w1(
+                        acc0,
+                        acc1,
+                        sred,
+                        ep_a,
+                        ep_b,
+                        ep_c,
+                        pmt,
+                        wg,
+                        sb,
+                        wwarp,
+                        g,
+                        t0,
+                        prow + col_base,
+                        pcount - col_base,
+                        pe,
+                        sig,
+                    )
+                    if cutlass.const_expr(self.stream_k and self.expert_sync):
+                        # every (N tile, M tile) of the expert counts once in W1_DONE
+                        if tidx == 0:
+                            sflag[2] = pe
+                            sflag[3] = pcount
+                            sflag[6] = (pcount + n_tile - 1) // n_tile * self.m_tiles
+                        self.release_expert(sig, sflag, tidx)
+                else:
+                    valid = pcount - col_base
+                    if cutlass.const_expr(self.cfg.ring):
+                        if ld_u32(sig[3]) != 0:  # a wait of this call failed: store nothing
+                            valid = Int32(0)
+                    self.epilogue_w2(
+                        acc0, acc1, ep_a, ep_b, ep_c, pmt, wg, sb, wwarp, g, t0, prow + col_base, valid, pe, sig
+                    )
+            if cutlass.const_expr(self.splits > 1):
+                if piece + 1 < npieces:  # the leader has read this tile's partials before they are pushed again
+                    cute.arch.cluster_arrive()
+                    cute.arch.cluster_wait()
+        if cutlass.const_expr(self.expert_sync and self.is_w1 and not self.stream_k):
+            self.release_expert(sig, sflag, tidx)
         return more
 
     @cute.jit
@@ -1010,14 +1006,6 @@ class GroupedGemmSm90:
             fw[4 * step + 3] = a3
         for u in cutlass.range_constexpr(2):
             rs[u, s] = bits_to_f32((sbuf[u, s, slot] & 0xFF) << 23)
-
-    def make_tiled_mma(self) -> cute.TiledMma:
-        """The m64nNk32 FP8 WGMMA with A (the decoded weights) from registers, B (the tokens) from shared memory."""
-        f8 = cutlass.Float8E4M3FN
-        k_major = warpgroup.OperandMajorMode.K
-        return sm90_utils.make_trivial_tiled_mma(
-            f8, f8, k_major, k_major, Float32, (1, 1, 1), (64, self.n), warpgroup.OperandSource.RMEM
-        )
 
     @cute.jit
     def mma_window(
