@@ -13,9 +13,7 @@ One call on rank r (generation g = the call count since the last recover), each 
                mirrors the calls consumed (SEQ) and BAD to the host's status words)
                (ready: the READY signal alone, for buffers filled elsewhere)
     dispatch   C CTAs (the launch's grid; comm.CommRank.dispatch_grid), a programmatic dependent launch after publish:
-                 0. griddepcontrol.launch_dependents at once (W1 launches while publish and the ranking run; it
-                    reads nothing of the call before the tags below), then griddepcontrol.wait (publish has
-                    finished) before anything is read
+                 0. griddepcontrol.wait (publish has finished) before anything is read
                  1. thread q < P acquires peer q's READY == g (bounded), checks its GEN == g (written before
                     READY by the same publish: a READY = g beside another GEN is a forged or corrupted tag, recorded
                     like an expired wait with GEN as the value seen), reads its NTOK
@@ -26,7 +24,7 @@ One call on rank r (generation g = the call count since the last recover), each 
                     offsets and counts
                  4. one warp per source rank ranks its entries 32 at a time (match.any + lanemask_lt): deterministic
                     row of every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA b mod C); then
-                    the CTA counts itself in RANKED (acq_rel);
+                    the CTA lets W1 launch (griddepcontrol.launch_dependents) and counts itself in RANKED (acq_rel);
                     the last CTA resets it and releases (gpu) OFFS = g — what W1 and W2 acquire before reading the
                     offsets. Past this point a CTA reads published buffers only for blocks whose L1_FULL tag W1
                     acquires: OFFS and the tags W1 acquires imply every read of the peers' buffers done
@@ -414,11 +412,6 @@ class CommKernels:
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         C, _, _ = cute.arch.grid_dim()
-        # W1 (PDL) may launch at once: every dispatch CTA is resident once all have passed this point, so W1's CTAs
-        # only take SM slots that dispatch does not need, and they read nothing of the call before acquiring OFFS and
-        # each block's L1_FULL (whose releases follow every read of the routing and of the rows: see the steps).
-        # W1's launch and prologue overlap publish and the ranking instead of following them.
-        cute.arch.griddepcontrol_launch_dependents()
         # PDL: launched while publish runs; nothing of the call is read before publish has finished (GEN included)
         cute.arch.griddepcontrol_wait()
         warp = tid // 32
@@ -539,9 +532,10 @@ class CommKernels:
                         scur[q * REL + e] = scur[q * REL + e] + cute.arch.popc(peers_mask)
                     cute.arch.sync_warp()
             cute.arch.sync_threads()
-            # W1 (launched at the start) acquires OFFS and each block's L1_FULL, so it streams weights beside the row
-            # pulls below; a CTA past this point reads the peers' rows only for blocks whose tags W1 acquires, so a
-            # finished call leaves no dispatch CTA still reading published buffers
+            # W1 (PDL) may launch once every CTA is here: it acquires OFFS and each block's L1_FULL, so it streams
+            # weights beside the row pulls below; a CTA past this point reads the peers' rows only for blocks whose
+            # tags W1 acquires, so a finished call leaves no dispatch CTA still reading published buffers
+            cute.arch.griddepcontrol_launch_dependents()
             if tid == 0:
                 # the ring's shape for call g (what W1 and W2 acquire before reading it), released by the last CTA
                 # past its reads of the routing: OFFS = g also says no CTA of this dispatch still reads the peers'

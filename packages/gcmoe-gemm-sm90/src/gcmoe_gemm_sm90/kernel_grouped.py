@@ -41,9 +41,9 @@ adds them in split order (deterministic) and runs the epilogue.
 PDL (cfg.pdl): W1 waits for its producer (griddepcontrol.wait) before reading anything; W2 bulk-copies its first
 stages' weights (which no earlier kernel writes) before waiting for W1, so its CTAs stream weights in W1's tail. Both
 let their dependents launch right after their own wait (so a dependent may read what was written before its producer).
-In ring mode W1 does not wait for its producer at all (gcmoe-comm's dispatch, which lets W1 launch as soon as all
-its CTAs have started; the last of them to rank the routing releases OFFS): what it reads from dispatch is behind
-the OFFS / L1_FULL tags. W1 lets W2 launch once
+In ring mode W1 does not wait for its producer at all (gcmoe-comm's dispatch, which lets W1 launch once every CTA has
+ranked the routing; the last of them then releases OFFS): what it reads from dispatch is behind the OFFS / L1_FULL
+tags. W1 lets W2 launch once
 every W1 CTA has read its row layout, so a W1 CTA without rows touches nothing of the call afterwards and every other
 one is awaited by W2: a finished W2 grid leaves no W1 or dispatch CTA that can still read or write this call's
 state (the launch after the layer's finalize, which waits for W2, never races them).
