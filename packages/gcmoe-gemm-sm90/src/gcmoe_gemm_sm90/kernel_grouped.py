@@ -289,6 +289,7 @@ class GroupedGemmSm90:
     ):
         mt, ey, ks = cute.arch.block_idx()  # ks: K split = rank in the cluster (clusters run along z)
         st = utils.SmemAllocator().allocate(self.shared)
+        args = (wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, sig, ticket, timeout_ns, num_experts)
         # grid rows ey, ey + R, ey + 2 R, ... (R = the grid's rows) while they find experts with rows (active-first
         # rows only: see the module docstring, Grid); every other config runs one row
         rows = cute.arch.grid_dim()[1]
@@ -296,30 +297,13 @@ class GroupedGemmSm90:
         more = Int32(1)
         while more != 0:
             cute.arch.barrier()  # the previous row's readers of the stages' mbarriers are done before they re-arm
-            more = self.body(
-                wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, sig, ticket, timeout_ns,
-                num_experts, first, tiled_mma, b_smem_staged, mt, y, ks, st,
-            )  # fmt: skip
+            more = self.body(args, first, tiled_mma, b_smem_staged, mt, y, ks, st)
             y = y + rows
 
     @cute.jit
     def body(
         self,
-        wq: cute.Tensor,
-        ws: cute.Tensor,
-        tma_atom: cute.CopyAtom,
-        tma_x: cute.Tensor,
-        sxT: cute.Tensor,
-        offs: cute.Tensor,
-        cnt: cute.Tensor,
-        lut: cute.Tensor,
-        ep_a: cute.Tensor,
-        ep_b: cute.Tensor,
-        ep_c: cute.Tensor,
-        sig: tuple,
-        ticket: Int32,
-        timeout_ns: Int64,
-        num_experts: Int32,
+        args: tuple,
         first: Int32,
         tiled_mma: cute.TiledMma,
         b_smem_staged: cute.ComposedLayout,
@@ -329,8 +313,9 @@ class GroupedGemmSm90:
         st,
     ):
         """One row's work of a CTA: M tile mt (or stream_k's CTA index) of grid row ey, K split ks, on the shared
-        memory struct st. Returns 1 where the kernel's loop goes on to row ey + R (active-first rows, and more experts
-        with rows than ey + R), else 0."""
+        memory struct st; args: the kernel's operands wq .. num_experts. Returns 1 where the kernel's loop goes on to
+        row ey + R (active-first rows, and more experts with rows than ey + R), else 0."""
+        wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, sig, ticket, timeout_ns, num_experts = args
         n_tile, depth = self.n, self.prefetch
         nw = self.nwk  # windows of this CTA: [w_lo, w_lo + nw) of the tile's K (all of them without K splits)
         tidx, _, _ = cute.arch.thread_idx()
