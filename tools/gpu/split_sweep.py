@@ -8,7 +8,8 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep grid         W1 / W2 grid rows bounded by the experts that can have rows (the default with active-first
                          rows) vs one row per ring expert vs half the bound (CTAs running rows y, y + R: what a peer's
                          call larger than the bound costs) vs the bound of a P = 2 / 8 rank (P x bucket x top_k +
-                         shared rows: the idle CTAs such a rank launches, here with one rank's work); and 4
+                         shared rows: the idle CTAs such a rank launches, here with one rank's work) vs the P = 1 / 2
+                         bounds capped at the rows whose W1 CTAs fit the SM slots at once (fit_p1 / fit_p2); and 4
                          warpgroups at N tiles <= 24
     --sweep stages       the chosen pipeline depth vs up to two stages fewer and more (bytes in flight per CTA)
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
@@ -32,7 +33,7 @@ from gcmoe.backends.sm90 import Sm90Plan
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import calc_diff, make_tokens, make_weights
 from gcmoe_core.timing import L2_FLUSHES, capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
-from gcmoe_gemm_sm90.config import can_implement, with_splits
+from gcmoe_gemm_sm90.config import TILE_M, can_implement, with_splits
 from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
@@ -88,6 +89,8 @@ for model in args.models:
                 "half_rows": chosen,
                 "rows_p2": chosen,
                 "rows_p8": chosen,
+                "fit_p1": chosen,
+                "fit_p2": chosen,
             }
             if chosen.n_tile <= 24:
                 variants["wg4"] = with_splits(replace(chosen, warpgroups=4, occupancy=1), chosen.splits, h, i)
@@ -111,10 +114,20 @@ for model in args.models:
                     return None if rows is None else max(1, rows // 2)
 
                 plan.grid_rows = half
-            if name.startswith("rows_p"):  # the grid of a rank of P (Sm90Plan.grid_rows with spec.ranks = P)
-                ranks = int(name[len("rows_p") :])
-                rank_plan = SimpleNamespace(spec=replace(plan.spec, ranks=ranks))
-                plan.grid_rows = lambda bucket, kcfg, p=rank_plan: Sm90Plan.grid_rows(p, bucket, kcfg)
+            if name.startswith(("rows_p", "fit_p")):  # the grid of a rank of P (Sm90Plan.grid_rows, spec.ranks = P)
+                rank_plan = SimpleNamespace(spec=replace(plan.spec, ranks=int(name.split("_p")[1])))
+                fit = name.startswith("fit_p")
+                w1_tiles = 2 * i // TILE_M
+
+                def rank_rows(bucket, kcfg, p=rank_plan, fit=fit, slots=plan.sm_count, tiles=w1_tiles):
+                    """fit_p: at most the rows whose W1 CTAs all fit the SMs' CTA slots at once (a rank's idle rows
+                    then never wait for a slot; a call with more experts than that runs them on the same CTAs)"""
+                    rows = Sm90Plan.grid_rows(p, bucket, kcfg)
+                    if rows is None or not fit:
+                        return rows
+                    return min(rows, max(1, kcfg.occupancy * slots // (tiles * kcfg.splits[0])))
+
+                plan.grid_rows = rank_rows
             if name == "shared_last":  # grid rows in expert order: the shared experts (the last ring experts) last
                 plan.first_row_expert = lambda: 0
             if name == "no_prefetch":
