@@ -297,7 +297,7 @@ class GroupedGemmSm90:
         more = Int32(1)
         while more != 0:
             cute.arch.barrier()  # the previous row's readers of the stages' mbarriers are done before they re-arm
-            more = self.body(args, first, tiled_mma, b_smem_staged, mt, y, ks, st)
+            more = self.body(args, first, tiled_mma, b_smem_staged, mt, y, rows, ks, st)
             y = y + rows
 
     @cute.jit
@@ -309,12 +309,13 @@ class GroupedGemmSm90:
         b_smem_staged: cute.ComposedLayout,
         mt: Int32,
         ey: Int32,
+        rows: Int32,
         ks: Int32,
         st,
     ):
-        """One row's work of a CTA: M tile mt (or stream_k's CTA index) of grid row ey, K split ks, on the shared
-        memory struct st; args: the kernel's operands wq .. num_experts. Returns 1 where the kernel's loop goes on to
-        row ey + R (active-first rows, and more experts with rows than ey + R), else 0."""
+        """One row's work of a CTA: M tile mt (or stream_k's CTA index) of grid row ey of the grid's R = rows, K split
+        ks, on the shared memory struct st; args: the kernel's operands wq .. num_experts. Returns 1 where the
+        kernel's loop goes on to row ey + R (active-first rows, and more experts with rows than ey + R), else 0."""
         wq, ws, tma_atom, tma_x, sxT, offs, cnt, lut, ep_a, ep_b, ep_c, sig, ticket, timeout_ns, num_experts = args
         n_tile, depth = self.n, self.prefetch
         nw = self.nwk  # windows of this CTA: [w_lo, w_lo + nw) of the tile's K (all of them without K splits)
@@ -384,7 +385,7 @@ class GroupedGemmSm90:
                 e_found = Int32(-1)
             elif cutlass.const_expr(self.cfg.active_first):
                 e_found, with_rows = self.active_expert(cnt, ey, num_experts, first, lane)
-                if ey + cute.arch.grid_dim()[1] < with_rows:  # an expert with rows beyond the grid's rows
+                if ey + rows < with_rows:  # an expert with rows beyond the grid's rows
                     more = Int32(1)
             e = cutlass.max(e_found, 0)
             if e_found >= 0:
