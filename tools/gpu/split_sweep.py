@@ -7,10 +7,11 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep first        the shared experts' grid rows first (the default) vs every ring expert in expert order
     --sweep grid         W1 / W2 grid rows bounded by the experts that can have rows (the default with active-first
                          rows) vs one row per ring expert vs half the bound (CTAs running rows y, y + R: what a peer's
-                         call larger than the bound costs) vs the bound of a P = 2 / 8 rank (P x bucket x top_k +
-                         shared rows: the idle CTAs such a rank launches, here with one rank's work) vs the P = 1 / 2
-                         bounds capped at the rows whose W1 CTAs fit the SM slots at once (fit_p1 / fit_p2); and 4
-                         warpgroups at N tiles <= 24
+                         call larger than the bound costs) vs the bound of every rank of P = 2 / 8 calling with the
+                         bucket (rows_p2 / rows_p8: P x bucket x top_k + shared; the idle CTAs such a rank launched,
+                         here with one rank's work) vs those bounds capped at the rows whose W1 CTAs fit the SM slots
+                         at once (fit_p1 / fit_p2) vs the grid a rank of P = 2 / 8 gets (plan_p2 / plan_p8:
+                         Sm90Plan.grid_rows); and 4 warpgroups at N tiles <= 24
     --sweep stages       the chosen pipeline depth vs up to two stages fewer and more (bytes in flight per CTA)
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
@@ -91,6 +92,8 @@ for model in args.models:
                 "rows_p8": chosen,
                 "fit_p1": chosen,
                 "fit_p2": chosen,
+                "plan_p2": chosen,
+                "plan_p8": chosen,
             }
             if chosen.n_tile <= 24:
                 variants["wg4"] = with_splits(replace(chosen, warpgroups=4, occupancy=1), chosen.splits, h, i)
@@ -106,25 +109,32 @@ for model in args.models:
             layer = gcmoe.MoELayer(cfg, "cuda", "sm90", kernel_config=kcfg).load(weights)
             plan = layer.packed.plan  # (its grid patched before the first call captures anything)
             if name == "full_grid":  # one grid row per ring expert
-                plan.grid_rows = lambda bucket, kcfg: None
+                plan.grid_rows = lambda bucket, kcfg, comm_sms=0: None
             if name == "half_rows":  # half the bounded rows: CTAs run rows y, y + R, ... (kernel_grouped: Grid)
 
-                def half(bucket, kcfg, bound=plan.grid_rows):
-                    rows = bound(bucket, kcfg)
+                def half(bucket, kcfg, comm_sms=0, bound=plan.grid_rows):
+                    rows = bound(bucket, kcfg, comm_sms)
                     return None if rows is None else max(1, rows // 2)
 
                 plan.grid_rows = half
-            if name.startswith(("rows_p", "fit_p")):  # the grid of a rank of P (Sm90Plan.grid_rows, spec.ranks = P)
-                rank_plan = SimpleNamespace(spec=replace(plan.spec, ranks=int(name.split("_p")[1])))
-                fit = name.startswith("fit_p")
+            if name.startswith(("rows_p", "fit_p", "plan_p")):  # the grid of a rank of P, one rank's work here
+                ranks = int(name.split("_p")[1])
+                rank_plan = SimpleNamespace(
+                    spec=replace(plan.spec, ranks=ranks), cfg=replace(cfg, ep_size=ranks), sm_count=plan.sm_count
+                )
+                kind = name.split("_p")[0]
                 w1_tiles = 2 * i // TILE_M
 
-                def rank_rows(bucket, kcfg, p=rank_plan, fit=fit, slots=plan.sm_count, tiles=w1_tiles):
-                    """fit_p: at most the rows whose W1 CTAs all fit the SMs' CTA slots at once (a rank's idle rows
-                    then never wait for a slot; a call with more experts than that runs them on the same CTAs)"""
-                    rows = Sm90Plan.grid_rows(p, bucket, kcfg)
-                    if rows is None or not fit:
-                        return rows
+                def rank_rows(bucket, kcfg, comm_sms=0, p=rank_plan, kind=kind, slots=plan.sm_count, tiles=w1_tiles):
+                    """plan: Sm90Plan.grid_rows of a rank of P (the product's rule); rows: the bound of every rank
+                    calling with this bucket (P x bucket x top_k + shared; the rule until 2026-12-01); fit: that
+                    bound capped at the rows whose W1 CTAs all fit the SMs' CTA slots at once"""
+                    if kind == "plan":
+                        return Sm90Plan.grid_rows(p, bucket, kcfg, comm_sms)
+                    s = p.spec
+                    rows = min(s.ring_experts, min(s.local_experts, s.ranks * bucket * s.top_k) + s.shared)
+                    if not kcfg.active_first or kind == "rows":
+                        return rows if kcfg.active_first else None
                     return min(rows, max(1, kcfg.occupancy * slots // (tiles * kcfg.splits[0])))
 
                 plan.grid_rows = rank_rows

@@ -113,9 +113,10 @@ def test_sm90_grid_rows_bound_every_ring_layout_and_lead_with_the_shared_experts
     """The sm90 plan's W1 / W2 grid (pure Python, no GPU: the methods on a stand-in plan): at world size 1 with
     active-first rows the routed experts with rows of any call of up to `bucket` tokens — random, skewed and
     all-distinct routings through the ring's own dispatch model — never exceed grid_rows (a smaller grid would leave
-    CTAs running more rows each); with P ranks the bound counts P calls of `bucket` tokens (a peer's larger call
-    is run by the kernels' row loop: test_grouped_gpu); rows in expert order have no bound; the first row runs the
-    first shared ring expert (the one with the most N tiles), expert 0 without shared experts."""
+    CTAs running more rows each); with P ranks the rows are those of one rank's call, or one wave of CTAs if more,
+    never more than P calls of `bucket` tokens can bring (a peer's larger call is run by the kernels' row loop:
+    test_grouped_gpu); rows in expert order have no bound; the first row runs the first shared ring expert (the one
+    with the most N tiles), expert 0 without shared experts."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -128,14 +129,22 @@ def test_sm90_grid_rows_bound_every_ring_layout_and_lead_with_the_shared_experts
     else:
         cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=16)
     spec = ring_spec(cfg)
-    plan = SimpleNamespace(spec=spec)
+    plan = SimpleNamespace(spec=spec, cfg=cfg, sm_count=132)
     first = Sm90Plan.first_row_expert(plan)
     assert first == (spec.local_experts if spec.shared else 0)
     assert spec.shared == 0 or first == spec.ring_experts - spec.shared  # the shared experts are the last ring experts
     kcfg = Sm90Config(n_tile=8, active_first=True)
     assert Sm90Plan.grid_rows(plan, 4, replace(kcfg, active_first=False)) is None
-    p2 = Sm90Plan.grid_rows(SimpleNamespace(spec=replace(spec, ranks=2)), 4, kcfg)
-    assert p2 == min(spec.ring_experts, min(spec.local_experts, 2 * 4 * cfg.top_k) + spec.shared)
+    for ranks in (2, 8):
+        for bucket in (1, 2, 4, 16):
+            for kc in (kcfg, replace(kcfg, occupancy=1, splits=(2, 2)), replace(kcfg, occupancy=2, splits=(1, 1))):
+                rank = SimpleNamespace(spec=replace(spec, ranks=ranks), cfg=cfg, sm_count=132)
+                rows, own = Sm90Plan.grid_rows(rank, bucket, kc), Sm90Plan.grid_rows(plan, bucket, kc)
+                every = min(spec.ring_experts, min(spec.local_experts, ranks * bucket * cfg.top_k) + spec.shared)
+                per_row = max(2 * cfg.intermediate_size // 256 * kc.splits[0], cfg.hidden_size // 256 * kc.splits[1])
+                assert rows == min(every, max(own, kc.occupancy * 132 // per_row)), (ranks, bucket, kc)
+                assert own <= rows <= every
+                assert Sm90Plan.grid_rows(rank, bucket, kc, comm_sms=16) <= rows  # fewer compute SMs, no more rows
     g = torch.Generator().manual_seed(7)
     for bucket in (1, 2, 4, 8, 16):
         rows = Sm90Plan.grid_rows(plan, bucket, kcfg)

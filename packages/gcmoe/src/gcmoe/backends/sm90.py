@@ -186,16 +186,32 @@ class Sm90Plan:
         expert's N tiles in CTAs of their own on top of this measured 0.99-1.01x: not kept)."""
         return self.spec.local_experts if self.spec.shared else 0
 
-    def grid_rows(self, bucket: int, kcfg) -> int | None:
-        """The W1 / W2 grid rows of a bucket with active-first rows: the ring experts that can have rows when every
-        rank calls with at most this bucket (P x bucket x top_k routed ids, at most the local experts, + the shared
-        experts): the CTAs of the others are not launched. A peer whose call brings more tokens is still covered:
-        the kernels' CTAs go on to rows y + R while they find experts with rows (gcmoe_gemm_sm90.kernel_grouped:
-        Grid). None (one row per ring expert) without active-first rows."""
+    def grid_rows(self, bucket: int, kcfg, comm_sms: int = 0) -> int | None:
+        """The W1 / W2 grid rows of a bucket with active-first rows (None, one row per ring expert, without): the
+        ring experts a call of this rank can bring rows to — its own bucket x top_k routed ids (at most the local
+        experts) + the shared experts — or, at P > 1, as many as one wave of CTAs fills (the SM slots of the
+        compute SMs over the CTAs per row of the larger of W1 / W2), at most the bound of every rank calling with this bucket
+        (P x bucket x top_k). A call whose experts with rows outnumber the grid rows is still run whole: the
+        kernels' CTAs go on to rows y + R while they find experts with rows (gcmoe_gemm_sm90.kernel_grouped: Grid).
+
+        Why not the P-rank bound itself: under even routing a rank receives about its own call's rows from all
+        ranks together, so most of the P-rank bound's rows stay idle, and where W1 runs more CTAs than SM slots the
+        idle ones wait for a slot and hold back W2's launch. On one GPU with a P = 2 rank's 129 ring experts and
+        one rank's work (H200, 2026-12-01, tools/gpu/split_sweep.py --sweep grid --ep 2,
+        docs/benchmarks/grid-policy-h200-2026-12-01.md): V4-Flash T = 1 / 2 / 8 51.3 / 71.2 / 157.0 us with this
+        rule vs 58.0 / 71.7 / 176.8 with the P = 2 bound (DeepSeek-V3 87.3 / 124.6 / 334.9 vs 87.0 / 134.3 /
+        372.6); at P = 1 the rule is the old bound."""
+        from gcmoe_gemm_sm90.config import TILE_M
+
         s = self.spec
         if not kcfg.active_first:
             return None
-        return min(s.ring_experts, min(s.local_experts, s.ranks * bucket * s.top_k) + s.shared)
+        own = min(s.ring_experts, min(s.local_experts, bucket * s.top_k) + s.shared)
+        every = min(s.ring_experts, min(s.local_experts, s.ranks * bucket * s.top_k) + s.shared)
+        c = self.cfg
+        ctas_per_row = max(2 * c.intermediate_size // TILE_M * kcfg.splits[0], c.hidden_size // TILE_M * kcfg.splits[1])
+        one_wave = kcfg.occupancy * (self.sm_count - comm_sms) // ctas_per_row
+        return min(every, max(own, one_wave))
 
     # -- LayerPlan
     def forward(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
@@ -428,7 +444,7 @@ class Lane:
             if probe is not None:
                 record_smids(probe[1], 20_000)
 
-        rows = plan.grid_rows(bucket, kcfg)
+        rows = plan.grid_rows(bucket, kcfg, comm_sms)
         roles = RoleNodes(dispatch, lambda: self._gemms(kcfg, ticket, comm_sms, rows=rows), finalize)
         with self._prefetch_beside(bucket):
             if comm_sms == 0:
