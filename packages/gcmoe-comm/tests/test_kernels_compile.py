@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from gcmoe_comm.kernels import CommShape, compiled
+from gcmoe_comm.kernels import ID_BATCH, CommShape, compiled
 from gcmoe_comm.ring import RingSpec
 from gcmoe_core.config import MoEConfig
 
@@ -36,7 +36,8 @@ def test_comm_kernels_compile_with_the_protocol_instructions(model, p, bm, share
     assert "cvt.rn.satfinite.e4m3x2.f32" in ks["publish"].ptx and "vote.sync.any.pred" in ks["publish"].ptx
     assert dispatch["ld.acquire.sys.global.u32"] >= 1 and dispatch["nanosleep.u32"] >= 1  # bounded wait on READY
     assert dispatch["atom.relaxed.sys.global.cas.b32"] == 1  # the error word, first failure wins
-    assert dispatch["match.any.sync.b32"] == 1 and dispatch["atom.shared.add.u32"] == 1
+    # the ranking's one match.any; the counts' smem atomics, one per routing id of a lane's batch of loads
+    assert dispatch["match.any.sync.b32"] == 1 and dispatch["atom.shared.add.u32"] == ID_BATCH
     assert dispatch["st.release.gpu.global.u32"] == 2  # OFFS = g, then L1_FULL[b] = g: what W1 acquires
     assert dispatch["atom.acq_rel.gpu.global.add.u32"] == 1  # RANKED: the last CTA past the routing releases OFFS
     assert dispatch["ld.global.v4.u32"] >= 1 and dispatch["st.global.v4.u32"] >= 1  # 16-byte pulls

@@ -12,10 +12,11 @@
 Every step enqueues on the current stream (capturable: no host sync, no allocation in dispatch/finalize).
 The bound on each wait is timeout_ms (GCMOE_COMM_TIMEOUT_MS by default).
 Grids: publish a warp per 128-value group; dispatch a CTA per ring block the call can fill (dispatch_grid), finalize
-a thread per 16 output bytes (finalize_grid), each at most the SM count unless given (dispatch_ctas / finalize_ctas
-fix them). Dispatch and finalize are programmatic dependent launches: dispatch launches while publish runs and waits
-for it (griddepcontrol.wait) before reading anything, then lets the next kernel launch (the layer's W1, which acquires
-the ring by its tags); finalize launches in W2's tail and waits for W2 the same way.
+a thread per 16 output bytes (finalize_grid), at most one dispatch CTA and FINALIZE_CTAS_PER_SM finalize CTAs per SM
+unless given (dispatch_ctas / finalize_ctas fix them). Dispatch and finalize are programmatic dependent launches:
+dispatch launches while publish runs and waits for it (griddepcontrol.wait) before reading anything, then lets the
+next kernel launch (the layer's W1, which acquires the ring by its tags); finalize launches in W2's tail and waits
+for W2 the same way.
 
 Tickets: every call takes the workspace under a ticket (a process-wide unique int the publish and finalize of one
 call share; a captured call keeps its ticket in every replay — CUDA never runs two launches of one graph at once).
@@ -39,6 +40,12 @@ from gcmoe_core import env
 from .workspace import Workspace
 
 MAX_DISPATCH_SMEM = 200 * 1024
+THREADS = 256  # per CTA of every comm kernel (kernels.py)
+WARPS = THREADS // 32  # dispatch ranks the routing in WARPS chunks, one per warp, each with its own row cursors
+# finalize's grid: a thread per 16 output bytes, at most this many CTAs per SM (from T = 38 / 66 tokens on for
+# DeepSeek-V3 / V4-Flash): the layer 1.005-1.026x faster at T = 128-256 than at one per SM, the same at T <= 32 (H200,
+# 2026-12-01, tools/gpu/layer_ab.py --finalize-ctas-per-sm 1 4, docs/benchmarks/comm-ranking-h200-2026-12-01.md)
+FINALIZE_CTAS_PER_SM = 4
 _TICKETS = itertools.count(1)
 
 
@@ -80,11 +87,11 @@ class CommRank:
 
     @staticmethod
     def validate_spec(spec) -> None:
-        ids_bytes = spec.ranks * spec.max_tokens * spec.slots * 2 + spec.ranks * spec.ring_experts * 4
+        ids_bytes = spec.ranks * spec.max_tokens * spec.slots * 2 + WARPS * spec.ranks * spec.ring_experts * 4
         if ids_bytes > MAX_DISPATCH_SMEM:
             raise ValueError(
                 f"CommRank: dispatch keeps every rank's routing in shared memory: P * T_max * (k + S) * 2 + "
-                f"P * (E/P + S) * 4 = {ids_bytes} bytes > {MAX_DISPATCH_SMEM}; lower max_tokens_per_rank"
+                f"{WARPS} * P * (E/P + S) * 4 = {ids_bytes} bytes > {MAX_DISPATCH_SMEM}; lower max_tokens_per_rank"
             )
 
     @property
@@ -147,14 +154,12 @@ class CommRank:
         return max(1, min(blocks, cap or self._sms))
 
     def finalize_grid(self, tokens: int) -> int:
-        """Finalize CTAs for `tokens` output rows: a thread per 16 output bytes, at most the SM count;
-        finalize_ctas given: that."""
+        """Finalize CTAs for `tokens` output rows: a thread per 16 output bytes, at most FINALIZE_CTAS_PER_SM per SM
+        (each thread's k + S loads of one output piece in flight together); finalize_ctas given: that."""
         if self.finalize_ctas is not None:
             return self.finalize_ctas
-        from .kernels import THREADS
-
         self.kernels  # noqa: B018  (reads the SM count)
-        return max(1, min(-(-tokens * (self.ws.spec.hidden // 8) // THREADS), self._sms))
+        return max(1, min(-(-tokens * (self.ws.spec.hidden // 8) // THREADS), FINALIZE_CTAS_PER_SM * self._sms))
 
     def publish(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ticket: int | None = None

@@ -18,12 +18,13 @@ One call on rank r (generation g = the call count since the last recover), each 
                     READY by the same publish: a READY = g beside another GEN is a forged or corrupted tag, recorded
                     like an expired wait with GEN as the value seen), reads its NTOK
                  2. every CTA: peers' ids -> smem (ring expert or -1: routed ids of this rank's experts, and the
-                    shared ids only from this rank's own tokens), counts[q][e] by smem atomics
-                 3. per-expert totals, BM-padded exclusive scan -> ring offsets; cursor[q][e] = offset[e] + rows of
-                    ranks < q (the (expert, src rank, token, slot) order of gcmoe_core.multirank); CTA 0 writes
-                    offsets and counts
-                 4. one warp per source rank ranks its entries 32 at a time (match.any + lanemask_lt): deterministic
-                    row of every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA b mod C); then
+                    shared ids only from this rank's own tokens), counts[w][q][e] by smem atomics, where warp w
+                    takes the w-th of WARPS equal chunks of all ranks' entries in (q, t, j) order
+                 3. per-expert totals, BM-padded exclusive scan -> ring offsets; cursor[w][q][e] = offset[e] + rows
+                    of ranks < q + rows of rank q in chunks < w (the (expert, src rank, token, slot) order of
+                    gcmoe_core.multirank); CTA 0 writes offsets and counts
+                 4. each warp ranks its chunk 32 entries at a time (match.any + lanemask_lt): deterministic row of
+                    every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA b mod C); then
                     the CTA lets W1 launch (griddepcontrol.launch_dependents) and counts itself in RANKED (acq_rel);
                     the last CTA resets it and releases (gpu) OFFS = g — what W1 and W2 acquire before reading the
                     offsets. Past this point a CTA reads published buffers only for blocks whose L1_FULL tag W1
@@ -86,6 +87,7 @@ from gcmoe_core.device_ops import (
 from gcmoe_core.kernel_helpers import bits_to_f32, cvt_bf16x2, cvt_e4m3x2, f32_to_bits, fp8_pow2_exponent
 from gcmoe_core.signals import KIND_BUSY, KIND_READY, KIND_RECV
 
+from .comm import THREADS, WARPS
 from .ring import RingSpec
 from .workspace import (
     BAD_ID,
@@ -114,8 +116,7 @@ from cutlass import runtime as crt  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 
 Int16, Int32, Int64, Float32 = cutlass.Int16, cutlass.Int32, cutlass.Int64, cutlass.Float32
-THREADS = 256
-WARPS = THREADS // 32
+ID_BATCH = 4  # dispatch: routing ids each lane loads at once (one round trip for 4 instead of 4)
 NSLOTS = 64  # the host's pinned staging slots of the argument block (slot path): in flight at once, at most
 SLOT_WORDS = 8  # int64 per argument block: x, ids, weights, out, T, ids are int64, -, -
 STATUS_WORDS = 16  # int32 host status: [0] SEQ done, [1:5] BAD of that call, [8:13] ERR
@@ -157,7 +158,8 @@ class CommKernels:
             ntok: cute.struct.MemRange[Int32, P]
             flag: cute.struct.MemRange[Int32, 4]
             ids: cute.struct.MemRange[Int16, P * TM * K]  # ring expert of each published (token, slot), or -1
-            cur: cute.struct.MemRange[Int32, P * REL]  # counts, then row cursors, per (src rank, ring expert)
+            # counts, then row cursors, per (warp chunk, src rank, ring expert)
+            cur: cute.struct.MemRange[Int32, WARPS * P * REL]
             off: cute.struct.MemRange[Int32, REL + 1]
             tot: cute.struct.MemRange[Int32, REL]
             scan: cute.struct.MemRange[Int32, WARPS]
@@ -422,7 +424,7 @@ class CommKernels:
         sntok = st.ntok.get_tensor(cute.make_layout(P))
         sflag = st.flag.get_tensor(cute.make_layout(4))
         sids = st.ids.get_tensor(cute.make_layout(P * TM * K))
-        scur = st.cur.get_tensor(cute.make_layout(P * REL))
+        scur = st.cur.get_tensor(cute.make_layout(WARPS * P * REL))
         soff = st.off.get_tensor(cute.make_layout(REL + 1))
         stot = st.tot.get_tensor(cute.make_layout(REL))
         sscan = st.scan.get_tensor(cute.make_layout(WARPS))
@@ -446,33 +448,50 @@ class CommKernels:
                 sflag[0] = 1
         cute.arch.sync_threads()
         if failed == 0 and sflag[0] == 0:
-            # 2. ids -> smem, counts per (src rank, ring expert); shared ids only from this rank's own tokens
-            for i in cutlass.range(tid, P * REL, THREADS, unroll=1):
+            # 2. ids -> smem, counts per (warp chunk, src rank, ring expert); shared ids only from this rank's own
+            #    tokens. Warp w takes entries [w c, (w + 1) c) of all ranks' entries in (src rank, token, slot)
+            #    order, c = the total over WARPS rounded up to 32: steps 2 and 4 split the entries the same way
+            for i in cutlass.range(tid, WARPS * P * REL, THREADS, unroll=1):
                 scur[i] = 0
+            total = Int32(0)
+            for q in cutlass.range(P, unroll=1):
+                total = total + sntok[q] * K
+            chunk = (total + WARPS * 32 - 1) // (WARPS * 32) * 32
+            c0 = warp * chunk
+            c1 = cutlass.min(c0 + chunk, total)
             cute.arch.sync_threads()
             lo = rank * EL
+            start = Int32(0)
             for q in cutlass.range(P, unroll=1):
                 n = sntok[q] * K
                 pa = speer[q] + o["pub_ids"]
-                for j in cutlass.range(tid, n, THREADS, unroll=1):
-                    gid = ld_u32(pa + Int64(j) * 4)
-                    e = gid - lo
-                    v = Int32(-1)
-                    if e >= 0 and e < EL:
-                        v = e
-                    if q == rank and gid >= self.E:
-                        v = EL + gid - self.E
-                    if v >= 0:
-                        cute.arch.atomic_add(scur.iterator + (q * REL + v), Int32(1))
-                    sids[q * TM * K + j] = Int16(v)
+                i_hi = cutlass.min(c1 - start, n)
+                for j0 in cutlass.range(cutlass.max(c0 - start, 0), i_hi, 32 * ID_BATCH, unroll=1):
+                    gids = []  # ID_BATCH loads in flight at once (clamped in range; the extra ones unused)
+                    for u in cutlass.range_constexpr(ID_BATCH):
+                        gids.append(ld_u32(pa + Int64(cutlass.min(j0 + 32 * u + lane, i_hi - 1)) * 4))
+                    for u in cutlass.range_constexpr(ID_BATCH):
+                        j = j0 + 32 * u + lane
+                        if j < i_hi:
+                            e = gids[u] - lo
+                            v = Int32(-1)
+                            if e >= 0 and e < EL:
+                                v = e
+                            if q == rank and gids[u] >= self.E:
+                                v = EL + gids[u] - self.E
+                            if v >= 0:
+                                cute.arch.atomic_add(scur.iterator + ((warp * P + q) * REL + v), Int32(1))
+                            sids[q * TM * K + j] = Int16(v)
+                start = start + n
             cute.arch.sync_threads()
-            # 3. totals, cursors over source ranks, BM-padded offsets (block-wide exclusive scan)
+            # 3. totals; cursors in (src rank, warp chunk) order per expert; BM-padded offsets (block-wide scan)
             for e in cutlass.range(tid, REL, THREADS, unroll=1):
                 acc = Int32(0)
                 for q in cutlass.range(P, unroll=1):
-                    c = scur[q * REL + e]
-                    scur[q * REL + e] = acc
-                    acc = acc + c
+                    for w in cutlass.range_constexpr(WARPS):
+                        c = scur[(w * P + q) * REL + e]
+                        scur[(w * P + q) * REL + e] = acc
+                        acc = acc + c
                 stot[e] = acc
             cute.arch.sync_threads()
             per = -(-REL // THREADS)
@@ -502,7 +521,7 @@ class CommKernels:
             if tid == THREADS - 1:
                 soff[REL] = run
             cute.arch.sync_threads()
-            for i in cutlass.range(tid, P * REL, THREADS, unroll=1):
+            for i in cutlass.range(tid, WARPS * P * REL, THREADS, unroll=1):
                 scur[i] = scur[i] + soff[i % REL]
             if cta == 0:
                 for e in cutlass.range(tid, REL + 1, THREADS, unroll=1):
@@ -510,18 +529,21 @@ class CommKernels:
                 for e in cutlass.range(tid, REL, THREADS, unroll=1):
                     st_u32(own + o["ring_counts"] + e * 4, stot[e])
             cute.arch.sync_threads()
-            # 4. rank the entries of each source rank: row of (q, t, j), kept when this CTA owns its block
-            for q in cutlass.range(warp, P, WARPS, unroll=1):
+            # 4. each warp ranks its chunk 32 entries at a time: row of (q, t, j), kept when this CTA owns its block
+            start = Int32(0)
+            for q in cutlass.range(P, unroll=1):
                 n = sntok[q] * K
-                for b0 in cutlass.range(0, n, 32, unroll=1):
+                i_hi = cutlass.min(c1 - start, n)
+                cur = (warp * P + q) * REL
+                for b0 in cutlass.range(cutlass.max(c0 - start, 0), i_hi, 32, unroll=1):
                     i = b0 + lane
                     e = Int32(-1)
-                    if i < n:
+                    if i < i_hi:
                         e = Int32(sids[q * TM * K + i])
                     peers_mask = cute.arch.match_sync(-1, e)
                     rank_in = cute.arch.popc(peers_mask & cute.arch.lanemask_lt())
                     if e >= 0:
-                        row = scur[q * REL + e] + rank_in
+                        row = scur[cur + e] + rank_in
                         if (row // BM) % C == cta:
                             dst = own + o["ring_src"] + Int64(row) * 12
                             st_u32(dst, q)
@@ -529,8 +551,9 @@ class CommKernels:
                             st_u32(dst + 8, i % K)
                     cute.arch.sync_warp()
                     if e >= 0 and rank_in == 0:
-                        scur[q * REL + e] = scur[q * REL + e] + cute.arch.popc(peers_mask)
+                        scur[cur + e] = scur[cur + e] + cute.arch.popc(peers_mask)
                     cute.arch.sync_warp()
+                start = start + n
             cute.arch.sync_threads()
             # W1 (PDL) may launch once every CTA is here: it acquires OFFS and each block's L1_FULL, so it streams
             # weights beside the row pulls below; a CTA past this point reads the peers' rows only for blocks whose
