@@ -24,15 +24,12 @@ One call on rank r (generation g = the call count since the last recover), each 
                     of ranks < q + rows of rank q in chunks < w (the (expert, src rank, token, slot) order of
                     gcmoe_core.multirank); CTA 0 writes offsets and counts
                  4. each warp ranks its chunk 32 entries at a time (match.any + lanemask_lt): deterministic row of
-                    every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA i mod C, i = b's
-                    place in the pull order: the shared experts' blocks first, then the routed experts' in order,
-                    the order W1's grid rows take the experts, so the shared experts' CTAs, which launch first and
-                    run the most N-tile passes, get their rows first); then
+                    every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA b mod C); then
                     the CTA lets W1 launch (griddepcontrol.launch_dependents) and counts itself in RANKED (acq_rel);
                     the last CTA resets it and releases (gpu) OFFS = g — what W1 and W2 acquire before reading the
                     offsets. Past this point a CTA reads published buffers only for blocks whose L1_FULL tag W1
                     acquires: OFFS and the tags W1 acquires imply every read of the peers' buffers done
-                 5. per owned block, in pull order: one warp per row pulls x (16-byte loads from the peer), the scales (into the
+                 5. per owned block: one warp per row pulls x (16-byte loads from the peer), the scales (into the
                     transposed sxT), the routing weight, and writes src and dst (the source rank's combine row);
                     padding rows get src = -1 and dst = the sink row (their payload is not written: the GEMMs never
                     store a padding column); then release(gpu) L1_FULL[b] = g — the tag W1 acquires
@@ -532,10 +529,7 @@ class CommKernels:
                 for e in cutlass.range(tid, REL, THREADS, unroll=1):
                     st_u32(own + o["ring_counts"] + e * 4, stot[e])
             cute.arch.sync_threads()
-            # 4. each warp ranks its chunk 32 entries at a time: row of (q, t, j), kept when this CTA owns its block:
-            #    block b is the (b - first) mod nblk-th pulled, first = the shared experts' first block (nblk without)
-            nblk = soff[REL] // BM
-            first = soff[EL] // BM
+            # 4. each warp ranks its chunk 32 entries at a time: row of (q, t, j), kept when this CTA owns its block
             start = Int32(0)
             for q in cutlass.range(P, unroll=1):
                 n = sntok[q] * K
@@ -550,7 +544,7 @@ class CommKernels:
                     rank_in = cute.arch.popc(peers_mask & cute.arch.lanemask_lt())
                     if e >= 0:
                         row = scur[cur + e] + rank_in
-                        if (row // BM + nblk - first) % nblk % C == cta:
+                        if (row // BM) % C == cta:
                             dst = own + o["ring_src"] + Int64(row) * 12
                             st_u32(dst, q)
                             st_u32(dst + 4, i // K)
@@ -574,10 +568,8 @@ class CommKernels:
                     st_u32(own + SIG_RANKED * 4, 0)  # for the next call (ordered before OFFS by the release)
                     st_release_u32(own + SIG_OFFS * 4, g, "gpu")
             # 5. pull the rows of the owned blocks, then tag each block with the generation
-            for i in cutlass.range(cta, nblk, C, unroll=1):
-                b = i + first
-                if b >= nblk:
-                    b = b - nblk
+            nblk = soff[REL] // BM
+            for b in cutlass.range(cta, nblk, C, unroll=1):
                 row0 = b * BM
                 lo_e = Int32(0)
                 hi_e = Int32(REL)
