@@ -769,13 +769,13 @@ class GroupedGemmSm90:
             stage = prod.index
             w_src = w_base + cutlass.Int64(rec) * WINDOW_WEIGHT_BYTES
             s_src = s_base + cutlass.Int64(rec) * WINDOW_SCALE_BYTES
+            hint = self.cfg.evict_first
             # racecheck-ordered: racecheck reports these bulk copies (a write by this thread) against the consumers'
             # reads of the stage in load_window_smem (WAR, the stage's previous window). Ordered by the stage's empty
             # mbarrier: every consumer warp arrives (consumer_release, release semantics) only after its reads, and
             # producer_acquire waits on that barrier (try_wait, acquire) before this copy is issued; the RAW side by
             # the full mbarrier the copy completes (complete_tx) and consumer_wait waits on. racecheck does not model
             # mbarriers (memcheck / synccheck are clean, values exact in every test)
-            hint = self.cfg.evict_first
             bulk_copy_g2s(w_dst + stage * WINDOW_WEIGHT_BYTES, w_src, WINDOW_WEIGHT_BYTES, bar, hint)
             # racecheck-ordered: as above (the stage's empty / full mbarriers)
             bulk_copy_g2s(s_dst + stage * WINDOW_SCALE_BYTES, s_src, WINDOW_SCALE_BYTES, bar, hint)
