@@ -52,7 +52,7 @@ for model in args.models:
             if cap is not None:
                 comm.FINALIZE_CTAS_PER_SM = cap
             graphs[name], outs[name] = capture_graph(
-                lambda layer=layer: layer(x, ids, w), warmup=2, stream=torch.cuda.Stream()
+                lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w), warmup=2, stream=torch.cuda.Stream()
             )
         times = time_interleaved(graphs, args.iters, l2_flush="write")
         for g in graphs.values():

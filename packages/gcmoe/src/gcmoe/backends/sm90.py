@@ -190,17 +190,18 @@ class Sm90Plan:
         """The W1 / W2 grid rows of a bucket with active-first rows (None, one row per ring expert, without): the
         ring experts a call of this rank can bring rows to — its own bucket x top_k routed ids (at most the local
         experts) + the shared experts — or, at P > 1, as many as one wave of CTAs fills (the SM slots of the
-        compute SMs over the CTAs per row of the larger of W1 / W2), at most the bound of every rank calling with this bucket
-        (P x bucket x top_k). A call whose experts with rows outnumber the grid rows is still run whole: the
+        compute SMs over the CTAs per row of the larger of W1 / W2), at most the bound of every rank calling with
+        this bucket (P x bucket x top_k). A call whose experts with rows outnumber the grid rows is still run whole: the
         kernels' CTAs go on to rows y + R while they find experts with rows (gcmoe_gemm_sm90.kernel_grouped: Grid).
 
         Why not the P-rank bound itself: under even routing a rank receives about its own call's rows from all
         ranks together, so most of the P-rank bound's rows stay idle, and where W1 runs more CTAs than SM slots the
         idle ones wait for a slot and hold back W2's launch. On one GPU with a P = 2 rank's 129 ring experts and
-        one rank's work (H200, 2026-12-01, tools/gpu/split_sweep.py --sweep grid --ep 2,
-        docs/benchmarks/grid-policy-h200-2026-12-01.md): V4-Flash T = 1 / 2 / 8 51.3 / 71.2 / 157.0 us with this
-        rule vs 58.0 / 71.7 / 176.8 with the P = 2 bound (DeepSeek-V3 87.3 / 124.6 / 334.9 vs 87.0 / 134.3 /
-        372.6); at P = 1 the rule is the old bound."""
+        one rank's work (H200, 2026-12-01, tools/gpu/split_sweep.py --sweep grid --ep 2, plan_p2 vs rows_p2,
+        docs/benchmarks/grid-policy-h200-2026-12-01.md): V4-Flash T = 1 / 4 / 8 50.7 / 100.4 / 155.2 us with this
+        rule vs 58.0 / 107.5 / 176.4 with the P = 2 bound, DeepSeek-V3 T = 2 / 4 / 8 123.7 / 181.0 / 330.0 vs 134.0 /
+        198.0 / 369.4 (V4-Flash T = 2, V3 T = 1 equal; two layers of one grid differ by up to 5 % in such a run). At
+        P = 1 the rule is the old bound."""
         from gcmoe_gemm_sm90.config import TILE_M
 
         s = self.spec
