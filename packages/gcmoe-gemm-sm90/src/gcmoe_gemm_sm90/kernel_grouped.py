@@ -75,13 +75,13 @@ in every warp), so the CTAs of empty experts launch after all CTAs with work (1.
 75-80 % of the experts are empty; 0.97-1.0x when nearly all have rows: sm90-grouped-v7); else row y runs expert y.
 rows (the `ctas` argument) R: E, or with active_first any number: a CTA of grid row y runs the rows y, y + R,
 y + 2 R, ... below the count of experts with rows (the stages' mbarriers re-armed between rows), so every expert with
-rows is run whatever R is. The caller passes its expected bound on the experts that have rows (the layer: P x its
-bucket x top_k routed + the shared experts), so the CTAs of empty experts never launch and each CTA normally runs one
-row: at one token per rank they were 80 % of a world-size-1 grid (97 % of a V4-Flash P = 2 rank's: 129 rows for 7
-experts with rows), and where W1 runs K-split clusters that fill the SM slots they queued behind the working CTAs to
-the end of W1, holding back W2's programmatic launch (the layer 1.11x faster for DeepSeek-V4-Flash at T = 1, 1.04x
-for DeepSeek-V3 at T = 2; H200, 2026-12-01). A peer whose call brings more tokens than the bound costs extra rows
-on the same CTAs, never a missed expert.
+rows is run whatever R is. The caller passes its expected bound on the experts that have rows (the layer: its own
+call's bucket x top_k routed + the shared experts, at least one wave of CTAs: gcmoe's Sm90Plan.grid_rows), so the
+CTAs of empty experts never launch and each CTA normally runs one row: at one token per rank they were 80 % of a
+world-size-1 grid (97 % of a V4-Flash P = 2 rank's: 129 rows for 7 experts with rows), and where W1 runs K-split
+clusters that fill the SM slots they queued behind the working CTAs to the end of W1, holding back W2's programmatic
+launch (the layer 1.11x faster for DeepSeek-V4-Flash at T = 1, 1.04x for DeepSeek-V3 at T = 2; H200, 2026-12-01).
+Routing that brings more experts with rows than the bound costs extra rows on the same CTAs, never a missed expert.
 first (rotation): grid row y runs expert first + y (mod E), and active-first rows count the experts with rows in
 that order, so the experts the caller expects to take longest launch first: the layer puts its shared experts
 (every token of the rank: more N tiles than any routed expert from T = 16 on) at row 0, where they used to launch
