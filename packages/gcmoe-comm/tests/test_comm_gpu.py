@@ -51,6 +51,27 @@ def test_virtual_ranks_bit_exact(p, routing):
             assert torch.equal(y, want), f"rank {r}: combine differs in {(y != want).sum().item()} elements"
 
 
+@pytest.mark.parametrize("p, tokens", [(1, [256]), (1, [197]), (2, [256, 131]), (4, [64, 250, 0, 97])])
+def test_dispatch_ranks_long_routing_exactly_in_every_warp_chunk(p, tokens):
+    """Dispatch ranks all ranks' entries in 8 warp chunks, each with cursors of its own: with hundreds of entries per
+    rank every chunk has work, chunks end inside a rank's entries and inside a 32-entry group, and at P > 1 a chunk
+    spans two source ranks (one of them idle); the ring's rows and the combine must be exactly the reference's for
+    uniform and one-expert routing (a chunk whose entries all go to one expert), over 8 dispatch CTAs that each own
+    many blocks, and finalize on its default grid."""
+    tmax = 256
+    spec = RingSpec(p, E // p, H, K, tmax, BM)
+    vr = VirtualRanks(spec, "cuda", dispatch_ctas=8, shared_rows=S, timeout_ms=2000)
+    for call, routing in enumerate(("uniform", "one_expert"), start=1):
+        xs, ids, ws, shared = make_inputs(p, routing, 100 * p + call, H, E, K, tmax, S, tokens=tokens)
+        outs = _outs(xs)
+        vr.step(xs, ids, ws, outs, shared)
+        torch.cuda.synchronize()
+        vr.check()
+        _check_rings(vr.ws, xs, ids, ws, gen=call)
+        for r, (y, want) in enumerate(zip(outs, expected_outputs(xs, ids, ws, shared))):
+            assert torch.equal(y, want), f"rank {r}: combine differs in {(y != want).sum().item()} elements"
+
+
 def _symmetric_one_rank(tmp_path) -> list[Workspace]:
     import torch.distributed as dist
 

@@ -23,12 +23,25 @@ from .workspace import WorkspaceViews
 ROUTINGS = ("uniform", "one_expert", "half_empty", "one_rank", "idle_rank")
 
 
-def make_inputs(p: int, routing: str, seed: int, hidden: int, experts: int, k: int, tmax: int, shared: int):
-    """(xs, ids, weights, shared rows) per rank on the current CUDA device; T_r = min(tmax, 3 + 5 r + seed % 4)."""
+def make_inputs(
+    p: int,
+    routing: str,
+    seed: int,
+    hidden: int,
+    experts: int,
+    k: int,
+    tmax: int,
+    shared: int,
+    tokens: list[int] | None = None,
+):
+    """(xs, ids, weights, shared rows) per rank on the current CUDA device; T_r = tokens[r] if given, else
+    min(tmax, 3 + 5 r + seed % 4) (0 for the idle rank of "idle_rank")."""
     g = torch.Generator().manual_seed(seed)
     xs, ids, ws, sh = [], [], [], []
     for r in range(p):
         t = 0 if routing == "idle_rank" and r == p - 1 else min(tmax, 3 + 5 * r + seed % 4)
+        if tokens is not None:
+            t = tokens[r]
         xs.append(torch.randn(t, hidden, generator=g).to(torch.bfloat16))
         if routing == "one_rank":
             i, w = make_routing(t, k, experts // p, "uniform", g)
