@@ -116,7 +116,7 @@ from cutlass import runtime as crt  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 
 Int16, Int32, Int64, Float32 = cutlass.Int16, cutlass.Int32, cutlass.Int64, cutlass.Float32
-ID_BATCH = 4  # dispatch: routing ids each lane loads at once (one round trip for 4 instead of 4)
+ID_BATCH = 4  # dispatch: routing ids a lane loads before using the first (one round trip for four)
 NSLOTS = 64  # the host's pinned staging slots of the argument block (slot path): in flight at once, at most
 SLOT_WORDS = 8  # int64 per argument block: x, ids, weights, out, T, ids are int64, -, -
 STATUS_WORDS = 16  # int32 host status: [0] SEQ done, [1:5] BAD of that call, [8:13] ERR
