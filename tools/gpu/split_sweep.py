@@ -119,9 +119,8 @@ for model in args.models:
                 plan.grid_rows = half
             if name.startswith(("rows_p", "fit_p", "plan_p")):  # the grid of a rank of P, one rank's work here
                 ranks = int(name.split("_p")[1])
-                rank_plan = SimpleNamespace(
-                    spec=replace(plan.spec, ranks=ranks), cfg=replace(cfg, ep_size=ranks), sm_count=plan.sm_count
-                )
+                # (the rule reads the slice's H and I from cfg; E need not divide by P here)
+                rank_plan = SimpleNamespace(spec=replace(plan.spec, ranks=ranks), cfg=cfg, sm_count=plan.sm_count)
                 kind = name.split("_p")[0]
                 w1_tiles = 2 * i // TILE_M
 
