@@ -35,6 +35,17 @@ def _outs(xs):
     return [torch.full_like(x, float("nan")) for x in xs]
 
 
+def _step_exactly(vr, xs, ids, ws, shared, gen):
+    """One call on every virtual rank (call `gen` since the last reset): no error, every ring and combine exact."""
+    outs = _outs(xs)
+    vr.step(xs, ids, ws, outs, shared)
+    torch.cuda.synchronize()
+    vr.check()
+    _check_rings(vr.ws, xs, ids, ws, gen=gen)
+    for r, (y, want) in enumerate(zip(outs, expected_outputs(xs, ids, ws, shared))):
+        assert torch.equal(y, want), f"rank {r}: combine differs in {(y != want).sum().item()} elements"
+
+
 @pytest.mark.parametrize("p", [1, 2, 4])
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_virtual_ranks_bit_exact(p, routing):
@@ -42,13 +53,7 @@ def test_virtual_ranks_bit_exact(p, routing):
     vr = VirtualRanks(spec, "cuda", dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=2000)
     for call in range(1, 4):  # fresh routing each call; generations 1..3 without any reset
         xs, ids, ws, shared = _inputs(p, routing, seed=10 * p + call)
-        outs = _outs(xs)
-        vr.step(xs, ids, ws, outs, shared)
-        torch.cuda.synchronize()
-        vr.check()
-        _check_rings(vr.ws, xs, ids, ws, gen=call)
-        for r, (y, want) in enumerate(zip(outs, expected_outputs(xs, ids, ws, shared))):
-            assert torch.equal(y, want), f"rank {r}: combine differs in {(y != want).sum().item()} elements"
+        _step_exactly(vr, xs, ids, ws, shared, gen=call)
 
 
 @pytest.mark.parametrize("p, tokens", [(1, [256]), (1, [197]), (2, [256, 131]), (4, [64, 250, 0, 97])])
@@ -63,13 +68,7 @@ def test_dispatch_ranks_long_routing_exactly_in_every_warp_chunk(p, tokens):
     vr = VirtualRanks(spec, "cuda", dispatch_ctas=8, shared_rows=S, timeout_ms=2000)
     for call, routing in enumerate(("uniform", "one_expert"), start=1):
         xs, ids, ws, shared = make_inputs(p, routing, 100 * p + call, H, E, K, tmax, S, tokens=tokens)
-        outs = _outs(xs)
-        vr.step(xs, ids, ws, outs, shared)
-        torch.cuda.synchronize()
-        vr.check()
-        _check_rings(vr.ws, xs, ids, ws, gen=call)
-        for r, (y, want) in enumerate(zip(outs, expected_outputs(xs, ids, ws, shared))):
-            assert torch.equal(y, want), f"rank {r}: combine differs in {(y != want).sum().item()} elements"
+        _step_exactly(vr, xs, ids, ws, shared, gen=call)
 
 
 def _symmetric_one_rank(tmp_path) -> list[Workspace]:
