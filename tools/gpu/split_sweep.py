@@ -130,8 +130,7 @@ for model in args.models:
                     bound capped at the rows whose W1 CTAs all fit the SMs' CTA slots at once"""
                     if kind == "plan":
                         return Sm90Plan.grid_rows(p, bucket, kcfg, comm_sms)
-                    s = p.spec
-                    rows = min(s.ring_experts, min(s.local_experts, s.ranks * bucket * s.top_k) + s.shared)
+                    rows = Sm90Plan.experts_reached(p.spec, bucket, p.spec.ranks)
                     if not kcfg.active_first or kind == "rows":
                         return rows if kcfg.active_first else None
                     return min(rows, max(1, kcfg.occupancy * slots // (tiles * kcfg.splits[0])))

@@ -39,9 +39,10 @@ def make_inputs(
     g = torch.Generator().manual_seed(seed)
     xs, ids, ws, sh = [], [], [], []
     for r in range(p):
-        t = 0 if routing == "idle_rank" and r == p - 1 else min(tmax, 3 + 5 * r + seed % 4)
         if tokens is not None:
             t = tokens[r]
+        else:
+            t = 0 if routing == "idle_rank" and r == p - 1 else min(tmax, 3 + 5 * r + seed % 4)
         xs.append(torch.randn(t, hidden, generator=g).to(torch.bfloat16))
         if routing == "one_rank":
             i, w = make_routing(t, k, experts // p, "uniform", g)

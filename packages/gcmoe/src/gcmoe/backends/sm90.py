@@ -186,6 +186,12 @@ class Sm90Plan:
         expert's N tiles in CTAs of their own on top of this measured 0.99-1.01x: not kept)."""
         return self.spec.local_experts if self.spec.shared else 0
 
+    @staticmethod
+    def experts_reached(spec, bucket: int, calls: int = 1) -> int:
+        """The ring experts `calls` calls of up to `bucket` tokens can bring rows to: their routed ids (at most the
+        local experts) + the shared experts."""
+        return min(spec.ring_experts, min(spec.local_experts, calls * bucket * spec.top_k) + spec.shared)
+
     def grid_rows(self, bucket: int, kcfg, comm_sms: int = 0) -> int | None:
         """The W1 / W2 grid rows of a bucket with active-first rows (None, one row per ring expert, without): the
         ring experts a call of this rank can bring rows to — its own bucket x top_k routed ids (at most the local
@@ -207,8 +213,7 @@ class Sm90Plan:
         s = self.spec
         if not kcfg.active_first:
             return None
-        own = min(s.ring_experts, min(s.local_experts, bucket * s.top_k) + s.shared)
-        every = min(s.ring_experts, min(s.local_experts, s.ranks * bucket * s.top_k) + s.shared)
+        own, every = Sm90Plan.experts_reached(s, bucket), Sm90Plan.experts_reached(s, bucket, s.ranks)
         c = self.cfg
         ctas_per_row = max(2 * c.intermediate_size // TILE_M * kcfg.splits[0], c.hidden_size // TILE_M * kcfg.splits[1])
         one_wave = kcfg.occupancy * (self.sm_count - comm_sms) // ctas_per_row
