@@ -91,7 +91,6 @@ class Sm90Config:
     swiglu_limit: float = 7.0
     bias: bool = False
     evict_first: bool = False  # the weight / scale bulk copies carry an L2 evict_first hint (read once)
-    lookahead: bool = True  # window w + 1's stage wait and shared loads issued before window w's WGMMA wait
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:

@@ -175,9 +175,6 @@ class GroupedGemmSm90:
         self.stream_k = cfg.stream_k and self.is_w1  # W1: a grid of `ctas` CTAs over equal window ranges
         self.clamped = cfg.activation == "swiglu_clamped"  # (gpt-oss) W1's clamped SwiGLU
         self.bias = cfg.bias  # W1 + b13, W2 + route_w * b2 (addresses: sig[8], sig[9])
-        # window w + 1 waited for and read from shared memory before window w's WGMMA wait (cfg.lookahead); it must
-        # have been issued by then: stages - 2 windows ahead of the one being computed, so 3 stages at least
-        self.lookahead = cfg.lookahead and cfg.stages >= 3
 
     @cute.jit
     def __call__(
@@ -528,9 +525,6 @@ class GroupedGemmSm90:
             # (two commit groups). The wait is unconditional and waits for all before any accumulator is read or
             # fragment 0 rewritten: otherwise ptxas serialises every WGMMA (C7513 / C7515, e.g. for a wait under
             # `if w > 0`, or a promote after wait_group(1); the compile test checks the waits per QGMMA).
-            if cutlass.const_expr(self.lookahead):
-                pipe.consumer_wait(cons)
-                self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, 0)
             for w0 in cutlass.range(wa, wb, depth, unroll=1):
                 for j in cutlass.range_constexpr(depth):
                     w = w0 + j
@@ -547,9 +541,8 @@ class GroupedGemmSm90:
                         self.promote(acc0, accw0, rs, ssx, w - 1, t0, 0)
                         if cutlass.const_expr(self.subs == 2):
                             self.promote(acc1, accw1, rs, ssx, w - 1, t0, 1)
-                    if cutlass.const_expr(not self.lookahead):
-                        pipe.consumer_wait(cons)
-                        self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, j)
+                    pipe.consumer_wait(cons)
+                    self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, j)
                     self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
                     if cutlass.const_expr(self.subs == 2 and not self.cfg.overlap):
                         self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
@@ -564,10 +557,6 @@ class GroupedGemmSm90:
                     warpgroup.commit_group()
                     prev = cons.clone()
                     cons.advance()
-                    if cutlass.const_expr(self.lookahead):
-                        if w + 1 < wb:  # window w + 1's stage and its words into registers while w's WGMMAs run
-                            pipe.consumer_wait(cons)
-                            self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, (j + 1) % depth)
             # drain the piece: the last window's MMAs, release its stage, promote
             warpgroup.wait_group(0)
             pipe.consumer_release(prev)
