@@ -16,8 +16,6 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
     --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
-    --sweep w2_ahead     W1 prefetching the first D windows of every W2 CTA into L2 (Sm90Config.w2_ahead, D of
-                         --ahead) vs as chosen
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
                                     [--l2-flush read] [--out DIR]
@@ -42,11 +40,10 @@ from gcmoe_gemm_sm90.ops import MoESm90
 ap = argparse.ArgumentParser()
 ap.add_argument(
     "--sweep",
-    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch", "w2_ahead"),
+    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch"),
     default="splits",
 )
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
-ap.add_argument("--ahead", nargs="+", type=int, default=[2, 4, 16], help="w2_ahead windows")
 ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2])
 ap.add_argument("--ep", type=int, default=8, help="the expert parallelism each model's slice is of")
@@ -84,8 +81,6 @@ for model in args.models:
             variants = {"chosen": chosen, "flipped": replace(chosen, evict_first=not chosen.evict_first)}
         elif args.sweep == "first":
             variants = {"chosen": chosen, "shared_last": chosen}
-        elif args.sweep == "w2_ahead":
-            variants = {"chosen": chosen, **{f"ahead_{d}": replace(chosen, w2_ahead=d) for d in args.ahead}}
         elif args.sweep == "l2_prefetch":
             variants = {"chosen": chosen, "no_prefetch": chosen}
         elif args.sweep == "grid":

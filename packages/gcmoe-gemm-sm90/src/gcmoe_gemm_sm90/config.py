@@ -91,7 +91,6 @@ class Sm90Config:
     swiglu_limit: float = 7.0
     bias: bool = False
     evict_first: bool = False  # the weight / scale bulk copies carry an L2 evict_first hint (read once)
-    w2_ahead: int = 0  # W1 prefetches the first w2_ahead windows of each W2 CTA of its expert into L2 (0: off)
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:
@@ -112,8 +111,6 @@ class Sm90Config:
             raise ValueError(f"Sm90Config: stream_k runs W1 unsplit (splits[0] = 1), got {self.splits}")
         if self.ring_bm < 8 or self.ring_bm % 8:
             raise ValueError(f"Sm90Config: ring_bm must be a positive multiple of 8, got {self.ring_bm}")
-        if not 0 <= self.w2_ahead <= 64:
-            raise ValueError(f"Sm90Config: w2_ahead must be in 0..64 windows, got {self.w2_ahead}")
         if self.activation not in ("swiglu", "swiglu_clamped"):
             raise ValueError(f"Sm90Config: activation must be 'swiglu' or 'swiglu_clamped', got {self.activation!r}")
         for name in ("swiglu_alpha", "swiglu_limit"):

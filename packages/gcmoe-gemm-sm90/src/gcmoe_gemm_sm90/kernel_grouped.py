@@ -116,7 +116,6 @@ from gcmoe_core.device_ops import (
 from gcmoe_core.kernel_helpers import (
     bits_to_f32,
     bulk_copy_g2s,
-    bulk_prefetch_l2,
     cvt_e4m3x2,
     f32_to_bits,
     fake_epilogue_args,
@@ -151,7 +150,7 @@ SIG_WORDS = 8  # by-value addresses: ring mode's INUSE, CGEN, OFFS, ERR, L1_FULL
 def sig_words(mode: str, cfg: Sm90Config) -> int:
     """By-value address words of a variant: SIG_WORDS, then with cfg.bias the epilogue's fp32 operands (W1: b13
     [E, 2I]; W2: b2 [E, M], route_w [R]), so the default variants keep today's parameter list."""
-    return SIG_WORDS + ((1 if mode == "w1" else 2) if cfg.bias else 0) + (2 if mode == "w1" and cfg.w2_ahead else 0)
+    return SIG_WORDS + ((1 if mode == "w1" else 2) if cfg.bias else 0)
 
 
 class GroupedGemmSm90:
@@ -176,13 +175,6 @@ class GroupedGemmSm90:
         self.stream_k = cfg.stream_k and self.is_w1  # W1: a grid of `ctas` CTAs over equal window ranges
         self.clamped = cfg.activation == "swiglu_clamped"  # (gpt-oss) W1's clamped SwiGLU
         self.bias = cfg.bias  # W1 + b13, W2 + route_w * b2 (addresses: sig[8], sig[9])
-        # W1: the first w2_ahead windows of every W2 CTA of its expert into L2 once its last load is issued (the W2
-        # weights' and scale records' bases: the two words after the bias words); W2's geometry: M = this K, K = M / 2
-        self.w2_mt = k // TILE_M
-        self.w2_windows = m // 2 // WINDOW_K
-        self.w2_splits = cfg.splits[1]
-        self.w2_ahead = min(cfg.w2_ahead, self.w2_windows // self.w2_splits) if self.is_w1 else 0
-        self.w2_word = SIG_WORDS + (1 if cfg.bias else 0)
 
     @cute.jit
     def __call__(
@@ -503,10 +495,6 @@ class GroupedGemmSm90:
                     self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                     prod.advance()
                     issued += 1
-            if cutlass.const_expr(self.w2_ahead > 0):
-                if issued == total and total > 0:  # every load issued in the prologue
-                    rec_last, _, _ = self.load_coords(cnt, offs, lc, total - 1, lane)
-                    self.prefetch_w2(sig, rec_last, lane)
 
         for piece in cutlass.range(npieces, unroll=1):
             pe, pmt, pnt, wa, wb, pa = self.work_piece(cnt, piece, e, mt, u0, u1, num_experts, lane, skt)
@@ -550,9 +538,6 @@ class GroupedGemmSm90:
                                 self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                                 prod.advance()
                                 issued += 1
-                                if cutlass.const_expr(self.w2_ahead > 0):
-                                    if issued == total:
-                                        self.prefetch_w2(sig, rec, lane)
                         self.promote(acc0, accw0, rs, ssx, w - 1, t0, 0)
                         if cutlass.const_expr(self.subs == 2):
                             self.promote(acc1, accw1, rs, ssx, w - 1, t0, 1)
@@ -582,9 +567,6 @@ class GroupedGemmSm90:
                     self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                     prod.advance()
                     issued += 1
-                    if cutlass.const_expr(self.w2_ahead > 0):
-                        if issued == total:
-                            self.prefetch_w2(sig, rec, lane)
             self.promote(acc0, accw0, rs, ssx, wb - 1, t0, 0)
             if cutlass.const_expr(self.subs == 2):
                 self.promote(acc1, accw1, rs, ssx, wb - 1, t0, 1)
@@ -638,29 +620,6 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.expert_sync and self.is_w1 and not self.stream_k):
             self.release_expert(sig, sflag, tidx)
         return more
-
-    @cute.jit
-    def prefetch_w2(self, sig: tuple, rec: Int32, lane: Int32):
-        """cfg.w2_ahead (W1, warp 0, once the CTA's last load is issued): the first w2_ahead windows of every W2 CTA of
-        the expert of this CTA's last load `rec` (its tile (e, mt) at K split ks: rec's window) into L2, shared among
-        that expert's W1 CTAs (q = ks MT + mt takes records q, q + MT S, ... of the expert's MT2 S2 w2_ahead, window
-        by window): W2 then reads its first windows from L2 instead of HBM, and their HBM traffic runs during W1's
-        last windows. A prefetch moves bytes into L2, never a value."""
-        mt1, w1n = self.m_tiles, self.windows
-        e = rec // (mt1 * w1n)
-        mt = rec // w1n - e * mt1
-        ks = (rec - (rec // w1n) * w1n) // self.nwk
-        mt2, nw2 = self.w2_mt, self.w2_windows // self.w2_splits
-        per = mt2 * self.w2_splits
-        c1 = mt1 * self.splits
-        w_base, s_base = sig[self.w2_word], sig[self.w2_word + 1]
-        for r in cutlass.range(ks * mt1 + mt + c1 * lane, per * self.w2_ahead, c1 * 32, unroll=1):
-            i = r // per
-            rem = r - i * per
-            ks2 = rem // mt2
-            rec2 = (e * mt2 + rem - ks2 * mt2) * self.w2_windows + ks2 * nw2 + i
-            bulk_prefetch_l2(w_base + Int64(rec2) * WINDOW_WEIGHT_BYTES, WINDOW_WEIGHT_BYTES)
-            bulk_prefetch_l2(s_base + Int64(rec2) * WINDOW_SCALE_BYTES, WINDOW_SCALE_BYTES)
 
     @cute.jit
     def acquire_ring(self, sig: tuple, ticket: Int32, timeout_ns: Int64, sflag: cute.Tensor, tidx: Int32, ks: Int32):

@@ -98,10 +98,8 @@ def _launch(
     extra: tuple[torch.Tensor, ...] = (),
     grid_rows: int | None = None,
     first_expert: int = 0,
-    w2_next: PackedSm90 | None = None,
 ):
-    """w2_next (W1 with cfg.w2_ahead): the W2 weights whose first windows W1 prefetches into L2.
-    extra: the epilogue's fp32 operands whose addresses follow the signal words (cfg.bias: W1 b13; W2 b2,
+    """extra: the epilogue's fp32 operands whose addresses follow the signal words (cfg.bias: W1 b13; W2 b2,
     route_w), checked by the caller. grid_rows: the grid's rows, below E only with cfg.active_first (default: every
     expert; fewer rows than experts with rows only make CTAs run more rows); first_expert: the expert of the first
     grid row (the rows rotate), see kernel_grouped (Grid)."""
@@ -124,10 +122,6 @@ def _launch(
     stream_k = cfg.stream_k and mode == "w1"
     if cfg.stream_k and not stream_k:
         cfg = replace(cfg, stream_k=False)  # (a W1 option: W2 compiles as without it)
-    if cfg.w2_ahead and mode == "w2":
-        cfg = replace(cfg, w2_ahead=0)  # (a W1 option too)
-    if cfg.w2_ahead and (w2_next is None or w2_next.m != packed.k or w2_next.k * 2 != packed.m):
-        raise ValueError(f"sm90 w1: cfg.w2_ahead needs the layer's W2 weights ([{packed.k}, {packed.m // 2}])")
     if stream_k:
         if scratch is None:
             raise ValueError("sm90 w1: cfg.stream_k needs a StreamKScratch")
@@ -148,8 +142,6 @@ def _launch(
         sig = tuple(i64(a) for a in (ring.inuse, ring.cgen, ring.offs, ring.err, ring.l1_full, ring.w1_done, *sk))
         ticket, timeout = ring.ticket, ring.timeout_ns
     sig += tuple(i64(t.data_ptr()) for t in extra)
-    if cfg.w2_ahead:
-        sig += (i64(w2_next.data.data_ptr()), i64(w2_next.scales.data_ptr()))
     assert len(sig) == sig_words(mode, cfg)
     kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
     wq = packed.data.view(torch.int32).view(-1, 128, 4)
@@ -189,36 +181,18 @@ def launch_w1(
     bias: torch.Tensor | None = None,
     grid_rows: int | None = None,
     first_expert: int = 0,
-    w2_next: PackedSm90 | None = None,
 ) -> None:
     """W1 on expert-sorted rows: x_rows uint8 [R, H] (FP8 bits), sxT fp32 [H/128, R], route_w fp32 [R], offsets
     int32 [E + 1] (multiples of 8), counts int32 [E] -> hq uint8 [R, I] (FP8 bits), hsT fp32 [I/128, R].
     cfg.stream_k: scratch (StreamKScratch) is required; sk_ctas CTAs (default: the scratch's, two per SM) share the
     windows (two per SM of the partition it runs on). cfg.bias: bias = b13 fp32 [E, 2I] (gate then up entries).
-    grid_rows, first_expert: the grid's rows (see _launch). cfg.w2_ahead: w2_next = the layer's W2 weights (their
-    first windows prefetched into L2 at the end of W1)."""
+    grid_rows, first_expert: the grid's rows (see _launch)."""
     rows, inter = x_rows.shape[0], packed.m // 2
     if hq.shape != (rows, inter) or hq.dtype != torch.uint8 or hsT.shape != (packed.m // TILE_M, rows):
         raise ValueError(f"sm90 w1: hq / hsT must be uint8 [{rows}, {inter}] / fp32 [{packed.m // TILE_M}, {rows}]")
     extra = _epilogue_operands("w1", cfg, ((bias, "bias", (packed.experts, packed.m)),), x_rows.device)
     ep = (as_cute(route_w, 0, 4), as_cute(hq, 0, 16), as_cute(hsT, 1, 4))
-    _launch(
-        "w1",
-        packed,
-        x_rows,
-        sxT,
-        offsets,
-        counts,
-        ep,
-        cfg,
-        ring,
-        scratch,
-        sk_ctas,
-        extra,
-        grid_rows,
-        first_expert,
-        w2_next,
-    )
+    _launch("w1", packed, x_rows, sxT, offsets, counts, ep, cfg, ring, scratch, sk_ctas, extra, grid_rows, first_expert)
 
 
 def launch_w2(

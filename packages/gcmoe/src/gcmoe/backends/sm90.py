@@ -379,8 +379,7 @@ class Lane:
         b13, b2 = moe.w13_bias, moe.w2_bias  # (gpt-oss) W2 adds the ring rows' route_w times b2
         rw2 = rw if b2 is not None else None
         grid = dict(grid_rows=rows, first_expert=self.plan.first_row_expert())
-        g1 = dict(grid, w2_next=moe.w2)  # (W1 prefetches W2's first windows where kcfg.w2_ahead)
-        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.sk_scratch, sk_ctas, b13, **g1)
+        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.sk_scratch, sk_ctas, b13, **grid)
         launch_w2(moe.w2, self.hq, self.hsT, offs, cnt, dst, src, self.comb, kcfg, sync, rw2, b2, **grid)
 
     def _load_gemms(self, kcfg, comm_sms: int = 0) -> None:
