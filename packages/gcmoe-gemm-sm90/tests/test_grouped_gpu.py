@@ -414,3 +414,81 @@ def test_ring_wait_is_bounded_and_recorded(missing):
         lo = int(layout.offsets[expert])
         slots = layout.src_slot[lo : lo + RING_COUNTS[expert]].long()
         assert _bits_equal(out[slots], poisoned[2][slots]), "the failed expert's rows were stored"
+
+
+def _w1_start_records(ids, lo, el, s, mt, w, splits, n, depth, stream_k, first, wave, budget, dmax):
+    """The model of PrefetchW1Starts: (CTAs, d, the window record of each (load it, CTA c), it-major) of the W1 CTAs
+    that start at once — row grids: grid row y = the y-th expert with rows from `first` on, CTA (y, ks, mt) loads
+    windows ks nw + it of N tile 0; stream_k: CTA c's loads from unit c units / CTAs on, tile-major."""
+    rel = el + s
+    cnt = [0] * rel
+    for g in ids.flatten().tolist():
+        if 0 <= g - lo < el:
+            cnt[g - lo] += 1
+    for j in range(s):
+        cnt[el + j] = ids.shape[0]
+    order = range(rel) if stream_k else [(j + first) % rel for j in range(rel)]
+    ex = [e for e in order if cnt[e] > 0]
+    tiles_of = [-(-cnt[e] // n) * mt for e in ex]
+    t0, tiles = list(accumulate([0, *tiles_of])), sum(tiles_of)
+    ctas = wave if stream_k else min(wave, len(ex) * mt * splits)
+    nw = w // splits
+    d = min(dmax, nw, budget // (ctas * (16384 + 1024))) if ctas and tiles else 0
+    units, recs = tiles * (w // depth), []
+    for it in range(d):
+        for c in range(ctas):
+            if stream_k:
+                v = c * units // ctas * depth + it
+                a = v // w
+                if a >= tiles:
+                    recs.append(-1)
+                    continue
+                j = max(i for i in range(len(ex)) if t0[i] <= a)
+                recs.append((ex[j] * mt + (a - t0[j]) % mt) * w + v - a * w)
+            else:
+                y, r = divmod(c, mt * splits)
+                ks, m = divmod(r, mt)
+                recs.append((ex[y] * mt + m) * w + ks * nw + it)
+    return ctas, d, recs
+
+
+@pytest.mark.parametrize("stream_k", [False, True])
+def test_prefetch_w1_starts_picks_every_starting_ctas_first_windows(stream_k):
+    """The W1 first-load prefetch (PrefetchW1Starts, traced): the window records it prefetches are those of the W1
+    CTAs that start at once, for routing by value (int32 / int64, this rank's id range only, -1 dropped) and from the
+    argument block, with a wave that cuts the grid, budgets of one window per CTA up to dmax, and T = 0."""
+    from gcmoe_gemm_sm90.ops import prefetch_w1_starts
+
+    cfg = MoEConfig(1024, 512, 16, 4, num_shared_experts=1, max_tokens_per_rank=64)
+    moe = MoESm90.from_weights(make_weights(cfg, 3, "cuda"))
+    mt, w = moe.w13.m // 256, moe.w13.k // 128
+    kcfg = Sm90Config(n_tile=8, prefetch=2, splits=(1 if stream_k else 2, 1), stream_k=stream_k)
+    splits = kcfg.splits[0]
+    gen = torch.Generator().manual_seed(7)
+    for t, lo, dtype, wave, windows, slot in (
+        (1, 0, torch.int32, 264, 1, False),
+        (3, 0, torch.int64, 20, 3, True),
+        (13, 16, torch.int64, 264, 8, False),
+        (40, 0, torch.int32, 37, 2, True),
+        (0, 0, torch.int32, 264, 2, False),
+    ):
+        ids = torch.randint(lo - 4, lo + 20, (t, 4), generator=gen)
+        ids[ids % 7 == 0] = -1
+        ids = ids.to(dtype).cuda()
+        ctas_cap = wave if stream_k else min(wave, (t * 4 + 1) * mt * splits)
+        budget = windows * ctas_cap * (16384 + 1024) + 100
+        trace = torch.full((2 + 4096,), -7, dtype=torch.int32, device="cuda")
+        kw = dict(lo=lo, first=16, trace=trace, grid=1 + t % 3)  # (one CTA, or more sharing the pairs)
+        if slot:
+            args = torch.tensor([0, ids.data_ptr(), 0, 0, t, int(dtype == torch.int64)], dtype=torch.int64).cuda()
+            prefetch_w1_starts(moe, kcfg, 4, wave, budget, slots=args.data_ptr(), **kw)
+        else:
+            prefetch_w1_starts(moe, kcfg, 4, wave, budget, ids=ids, **kw)
+        torch.cuda.synchronize()
+        ctas, d, recs = _w1_start_records(ids.cpu(), lo, 16, 1, mt, w, splits, 8, 2, stream_k, 16, wave, budget, 8)
+        got = trace.cpu().tolist()
+        assert (got[0], got[1]) == (ctas if t else got[0], d), (t, got[:2], ctas, d)
+        assert got[2 : 2 + len(recs)] == recs, (t, lo, dtype)
+        assert all(v == -7 for v in got[2 + len(recs) :])  # nothing past the pairs
+        if t:
+            assert d >= 1 and max(recs) < moe.w13.experts * mt * w
