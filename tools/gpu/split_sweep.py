@@ -16,9 +16,6 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
     --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
-    --sweep w1_starts    W1's first window records (of the call's routing) prefetched into L2 beside the comm
-                         kernels, budgets of --starts-mb MB (starts_N), vs not (chosen); at T = 1 also without the
-                         shared experts' prefetch (starts_N_noshared)
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
                                     [--l2-flush read] [--out DIR]
@@ -43,11 +40,10 @@ from gcmoe_gemm_sm90.ops import MoESm90
 ap = argparse.ArgumentParser()
 ap.add_argument(
     "--sweep",
-    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch", "w1_starts"),
+    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch"),
     default="splits",
 )
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
-ap.add_argument("--starts-mb", nargs="+", type=int, default=[8, 16, 32], help="w1_starts budgets, MB")
 ap.add_argument("--models", nargs="+", default=["deepseek-v3", "deepseek-v4-flash"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2])
 ap.add_argument("--ep", type=int, default=8, help="the expert parallelism each model's slice is of")
@@ -87,13 +83,6 @@ for model in args.models:
             variants = {"chosen": chosen, "shared_last": chosen}
         elif args.sweep == "l2_prefetch":
             variants = {"chosen": chosen, "no_prefetch": chosen}
-        elif args.sweep == "w1_starts":
-            variants = {"chosen": chosen}
-            for mb in args.starts_mb:
-                variants[f"starts_{mb}"] = chosen
-            if t == 1:
-                variants["shared_loads"] = chosen
-            variants = {k if k in ("chosen", "shared_loads") else k + "_loads": v for k, v in variants.items()}
         elif args.sweep == "grid":
             variants = {
                 "chosen": chosen,
@@ -151,10 +140,6 @@ for model in args.models:
                 plan.first_row_expert = lambda: 0
             if name == "no_prefetch":
                 plan.l2_prefetch = False
-            if name.endswith("_loads"):
-                plan.l2_warm_loads = True
-            if name.startswith("starts_"):
-                plan.w1_starts_bytes = {b: int(name.split("_")[1]) << 20 for b in (1, 2, 4, 8, 16, 32, 64)}
             layers.append(layer)
             fn = lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w)
             graphs[name], outs[name] = capture_graph(fn, warmup=2, stream=torch.cuda.Stream())

@@ -142,18 +142,3 @@ def test_prefetch_kernel_sass(ranges):
     assert "UBLKPF.L2" in ops
     assert not any(o.startswith(("LDG", "STG", "LDS", "STS", "UBLKCP", "UTMALDG", "ATOM", "RED")) for o in ops), ops
     assert kern.resources()["LOCAL"] == 0
-
-
-@pytest.mark.parametrize("stream_k", [False, True])
-def test_prefetch_w1_starts_kernel_sass(stream_k):
-    """W1's first loads into L2 (kernel_prefetch.PrefetchW1Starts), both grid kinds: bulk L2 prefetches, no bulk
-    copies into shared memory, no local memory; compiles offline for sm_90a."""
-    from gcmoe_gemm_sm90.kernel_prefetch import compiled_starts
-
-    kern = compiled_starts(
-        32, 1, 8 if stream_k else 6, 16, 56 if stream_k else 32, 1 if stream_k else 2, 8, 2, stream_k, "sm_90a"
-    )
-    ops = sass_opcodes(kern.sass())
-    assert "UBLKPF.L2" in ops
-    assert not any(o.startswith(("UBLKCP", "UTMALDG")) for o in ops), ops
-    assert kern.resources()["LOCAL"] == 0

@@ -278,7 +278,7 @@ def w2(
     return out
 
 
-def prefetch_l2(ranges: list[tuple[int, int]], ctas: int = 8, sink: torch.Tensor | None = None) -> None:
+def prefetch_l2(ranges: list[tuple[int, int]], ctas: int = 8) -> None:
     """L2 prefetch of (device address, bytes) ranges on the current stream (kernel_prefetch): `ctas` CTAs of 128
     threads issue one 16 KB prefetch each per turn. Each address 16-byte aligned, each size a multiple of 16."""
     import cuda.bindings.driver as cuda
@@ -292,84 +292,11 @@ def prefetch_l2(ranges: list[tuple[int, int]], ctas: int = 8, sink: torch.Tensor
     if any(a % 16 or n % 16 or not 0 < n < 2**31 for a, n in ranges):
         raise ValueError(f"sm90 prefetch_l2: ranges must be 16-byte aligned, 16 .. 2^31 - 16 bytes: {ranges}")
     cutlass = cutlass_modules()[0]
-    loads = sink is not None  # plain loads of every sector (sizes multiples of 512) instead of bulk prefetches
-    if loads and any(n % 512 for _, n in ranges):
-        raise ValueError(f"sm90 prefetch_l2: loads warm 512-byte pieces: {ranges}")
-    kern = compiled(len(ranges), target_arch(torch.cuda.current_device()), loads)
+    kern = compiled(len(ranges), target_arch(torch.cuda.current_device()))
     kern(
         tuple(cutlass.Int64(a) for a, _ in ranges),
         tuple(cutlass.Int32(n) for _, n in ranges),
-        cutlass.Int64(sink.data_ptr() if loads else 0),
         cutlass.Int32(ctas),
-        cuda.CUstream(torch.cuda.current_stream().cuda_stream),
-    )
-
-
-def prefetch_w1_starts(
-    moe: MoESm90,
-    cfg: Sm90Config,
-    top_k: int,
-    wave: int,
-    budget: int,
-    *,
-    ids: torch.Tensor | None = None,
-    slots: int = 0,
-    lo: int = 0,
-    first: int = 0,
-    dmax: int = 8,
-    trace: torch.Tensor | None = None,
-    grid: int | None = None,
-    sink: torch.Tensor | None = None,
-) -> None:
-    """L2 prefetch, on the current stream, of the first window records W1 (configuration cfg) will load for the
-    routing `ids` (int32 / int64 [T, top_k]; or, slots != 0, the ids, T and dtype in the argument block at that
-    device address): kernel_prefetch.PrefetchW1Starts. wave: the W1 CTAs that start at once (row grids: the SM
-    slots; stream_k: its CTA count); budget: bytes spread over their first loads, at most dmax windows each; lo: the
-    global id of this rank's first expert; first: the grid rows' first ring expert (row grids). trace (tests): int32
-    [2 + enough], gets (CTAs, d, then the record of each (load, CTA) pair, load-major). grid: the prefetch kernel's
-    CTAs (default: one per SM of the device)."""
-    import cuda.bindings.driver as cuda
-
-    from gcmoe_core.cutedsl import cutlass_modules, target_arch
-
-    from .kernel_prefetch import compiled_starts
-
-    w13 = moe.w13
-    if ids is not None and (ids.dim() != 2 or ids.shape[1] != top_k or ids.dtype not in (torch.int32, torch.int64)):
-        raise ValueError(f"sm90 prefetch_w1_starts: ids must be int32 / int64 [T, {top_k}]")
-    if not 0 < budget < 2**31 or wave < 1:
-        raise ValueError(f"sm90 prefetch_w1_starts: budget 1 .. 2^31 - 1 bytes and wave >= 1, got {budget}, {wave}")
-    stream_k = bool(cfg.stream_k)
-    kern = compiled_starts(
-        moe.num_routed,
-        moe.num_shared,
-        top_k,
-        w13.m // TILE_M,
-        w13.k // WINDOW_K,
-        1 if stream_k else cfg.splits[0],
-        cfg.n_tile,
-        cfg.prefetch,
-        stream_k,
-        target_arch(torch.cuda.current_device()),
-        sink is not None,
-    )
-    cutlass = cutlass_modules()[0]
-    i64, i32 = cutlass.Int64, cutlass.Int32
-    kern(
-        i64(w13.data.data_ptr()),
-        i64(w13.scales.data_ptr()),
-        i64(slots),
-        i64(0 if ids is None else ids.data_ptr()),
-        i32(0 if ids is None else ids.shape[0]),
-        i32(0 if ids is None else int(ids.dtype == torch.int64)),
-        i32(lo),
-        i32(0 if stream_k else first),
-        i32(wave),
-        i32(budget),
-        i32(dmax),
-        i64(0 if trace is None else trace.data_ptr() + 8),
-        i64(0 if sink is None else sink.data_ptr()),
-        i32(grid or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count),
         cuda.CUstream(torch.cuda.current_stream().cuda_stream),
     )
 

@@ -156,11 +156,6 @@ class Sm90Plan:
         # the shared experts' W1 weights into L2 beside the comm kernels (see the module docstring); False: not
         # (an A/B switch for tools/gpu/split_sweep.py; read when a call is enqueued or a bucket graph captured)
         self.l2_prefetch = True
-        self.l2_prefetch_ctas = 8
-        self.l2_warm_loads = False  # plain loads (every sector) instead of bulk L2 prefetches
-        # W1's first loads prefetched into L2 beside the comm kernels (Lane._prefetch_beside): bytes per bucket
-        # (0: off; an experiment's switch, see w1_starts_budget)
-        self.w1_starts_bytes: dict[int, int] = {}
         self._lanes: dict[int, Lane] = {}
         self._lock = threading.Lock()
         self.lane(torch.cuda.current_stream(device))  # the load stream's lane: kernels loaded, (P > 1) rendezvous
@@ -179,10 +174,6 @@ class Sm90Plan:
                 if lane is None:
                     lane = self._lanes[key] = Lane(self, stream, self._workspace)
         return lane
-
-    def w1_starts_budget(self, bucket: int) -> int:
-        """Bytes of W1's first window records prefetched into L2 beside the comm kernels at this bucket (0: none)."""
-        return self.w1_starts_bytes.get(bucket, 0)
 
     def kernel_config(self, bucket: int):
         return self.moe.config_for(bucket, self.cfg.top_k)
@@ -329,12 +320,10 @@ class Lane:
             from gcmoe_gemm_sm90.ops import prefetch_l2
 
             self.prefetch_ranges = plan.moe.shared_w1_ranges()[:MAX_RANGES]
-            self.prefetch_stream = torch.cuda.Stream(device=dev)
-            self.sink = torch.zeros(4, dtype=torch.int32, device=dev)  # (the L2 warm's loads: kept by a store here)
+            self.prefetch_stream = torch.cuda.Stream(device=dev) if self.prefetch_ranges else None
             if self.prefetch_ranges:
                 with torch.cuda.stream(self.prefetch_stream):
                     prefetch_l2(self.prefetch_ranges)
-                    prefetch_l2(self.prefetch_ranges, 1, sink=self.sink)  # (loads both variants' kernels)
                 self.prefetch_stream.synchronize()
         if cfg.ep_size > 1:
             # every bucket's GEMMs compiled and loaded and its graph captured before the first cross-rank wait too (a
@@ -406,10 +395,6 @@ class Lane:
         warm = self._warm_signals.data_ptr()
         with _outside_capture(self.plan.device):
             self._gemms(kcfg, 1, signals=warm)
-            if self.plan.w1_starts_bytes:
-                with torch.cuda.stream(self.prefetch_stream):
-                    self._prefetch_starts(kcfg, comm_sms, 0, None)  # (T = 0: loads the kernel, prefetches nothing)
-                self.prefetch_stream.synchronize()
             if comm_sms:
                 _, (_, compute) = self._partition(comm_sms)
                 if not _capturing(compute):  # (a stream of this lane already forked into the caller's capture)
@@ -434,7 +419,7 @@ class Lane:
                 self.streams[comm_sms] = (part, streams)
         return self.streams[comm_sms]
 
-    def _enqueue(self, bucket: int, ticket: int, publish, out: torch.Tensor | None, ids: torch.Tensor | None = None):
+    def _enqueue(self, bucket: int, ticket: int, publish, out: torch.Tensor | None):
         """The five kernels of one call as role nodes (gcmoe_greenctx.enqueue_roles): publish + dispatch on this
         lane's comm stream, W1, W2, finalize on its compute stream, forked from and joined back to the current
         stream; comm_sms = 0 for the bucket: all five in order on the current stream. publish() enqueues the publish
@@ -467,7 +452,7 @@ class Lane:
 
         rows = plan.grid_rows(bucket, kcfg, comm_sms)
         roles = RoleNodes(dispatch, lambda: self._gemms(kcfg, ticket, comm_sms, rows=rows), finalize)
-        with self._prefetch_beside(bucket, kcfg, comm_sms, ids):
+        with self._prefetch_beside(bucket):
             if comm_sms == 0:
                 for role in (roles.dispatch, roles.compute, roles.finalize):
                     role()
@@ -476,56 +461,24 @@ class Lane:
             enqueue_roles(part, roles, overlap=True, streams=streams)
 
     @contextlib.contextmanager
-    def _prefetch_beside(self, bucket: int, kcfg=None, comm_sms: int = 0, ids: torch.Tensor | None = None):
+    def _prefetch_beside(self, bucket: int):
         """At bucket <= L2_PREFETCH_MAX_BUCKET: the shared experts' W1 weights prefetched into L2 on this lane's side
         stream, forked from the current stream before the call's kernels and joined back after them (a graph branch
         under a capture). The prefetch only reads the weights, which no call writes: it changes when bytes reach L2,
         never a value."""
-        plan = self.plan
-        shared = plan.l2_prefetch and self.prefetch_ranges and bucket <= L2_PREFETCH_MAX_BUCKET
-        starts = plan.w1_starts_budget(bucket) if kcfg is not None else 0
-        if not (shared or starts):
+        if not (self.plan.l2_prefetch and self.prefetch_ranges and bucket <= L2_PREFETCH_MAX_BUCKET):
             yield
             return
         from gcmoe_gemm_sm90.ops import prefetch_l2
 
-        here = torch.cuda.current_stream(plan.device)
+        here = torch.cuda.current_stream(self.plan.device)
         self.prefetch_stream.wait_stream(here)
         with torch.cuda.stream(self.prefetch_stream):
-            if shared:
-                if plan.l2_warm_loads:
-                    prefetch_l2(self.prefetch_ranges, plan.sm_count, sink=self.sink)
-                else:
-                    prefetch_l2(self.prefetch_ranges, plan.l2_prefetch_ctas)
-            if starts:
-                self._prefetch_starts(kcfg, comm_sms, starts, ids)
+            prefetch_l2(self.prefetch_ranges)
         try:
             yield
         finally:
             here.wait_stream(self.prefetch_stream)
-
-    def _prefetch_starts(self, kcfg, comm_sms: int, budget: int, ids: torch.Tensor | None) -> None:
-        """W1's first window records for the call's routing into L2 (gcmoe_gemm_sm90.ops.prefetch_w1_starts), on the
-        current stream: ids by value, or (None) from the argument block of the slot path; budget 0: only loads the
-        kernel (T = 0)."""
-        from gcmoe_gemm_sm90.ops import prefetch_w1_starts
-
-        plan = self.plan
-        spec = plan.spec
-        slots = 0 if ids is not None or budget == 0 else self.args.data_ptr()
-        per_sm = 2 if kcfg.stream_k else kcfg.occupancy
-        prefetch_w1_starts(
-            plan.moe,
-            kcfg,
-            spec.top_k,
-            per_sm * (plan.sm_count - comm_sms),
-            max(budget, 1),
-            ids=ids if budget else None,
-            slots=slots,
-            lo=self.ws.rank * spec.local_experts,
-            first=plan.first_row_expert(),
-            sink=self.sink if plan.l2_warm_loads else None,
-        )
 
     # -- the captured path (inside a caller's capture): by-value arguments
     def enqueue_captured(self, x, topk_ids, topk_weights) -> torch.Tensor:
@@ -536,7 +489,7 @@ class Lane:
         self._load_gemms(self.plan.kernel_config(bucket), self.plan.policy.mode_for(bucket))  # (outside the capture)
         out = torch.empty(t, self.plan.cfg.hidden_size, dtype=torch.bfloat16, device=x.device)
         ticket = new_ticket()
-        self._enqueue(bucket, ticket, lambda: self.comm.publish(x, topk_ids, topk_weights, ticket), out, topk_ids)
+        self._enqueue(bucket, ticket, lambda: self.comm.publish(x, topk_ids, topk_weights, ticket), out)
         return out
 
     # -- the eager path: the bucket's graph, arguments through the host slots
