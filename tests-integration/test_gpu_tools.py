@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -354,6 +355,34 @@ def test_stream_probe_compiles_for_sm90a_and_its_shapes_fit():
         ops = sass_opcodes(k.sass())
         assert "UBLKCP.S.G" in ops and any(o.startswith("SYNCS.PHASECHK") for o in ops)
         assert k.resources()["LOCAL"] == 0
+
+
+@pytest.mark.compile
+def test_l2_warm_probe_warmers_compile_to_their_accesses():
+    """l2_warm_probe.py: each warm-up kernel compiles for sm_90a to the access it names (per-line L2 prefetch, 16-byte
+    loads with / without hints, one per sector), none dropped as unused, no local memory; its shapes fit."""
+    import l2_warm_probe
+    import stream_probe
+
+    from gcmoe_core.cutedsl import sass_opcodes
+    from gcmoe_gemm_sm90.config import smem_limit
+
+    want = {
+        "line_prefetch": ("CCTL.E.PML2", 4),
+        "ld_hinted": ("LDG.E.NA.LTC128B.128.CONSTANT", 32),
+        "ld_plain": ("LDG.E.128", 32),
+        "ld_nc": ("LDG.E.128.CONSTANT", 32),
+        "ld_sector": ("LDG.E.128", 16),
+    }
+    assert set(want) == set(l2_warm_probe.WARMERS)
+    for name, (opcode, count) in want.items():
+        k = l2_warm_probe._warmer(name)
+        sass = k.sass()
+        assert [o for o in sass_opcodes(sass) if o.startswith(("LDG", "CCTL"))] == [opcode], name
+        assert len(re.findall(rf"\b{re.escape(opcode)}\b", sass)) == count, name  # 4 lines per step (unroll 4)
+        assert k.resources()["LOCAL"] == 0
+    for _, ctas, windows, occupancy, stages in l2_warm_probe.SHAPES:
+        assert ctas * windows > 0 and stages * stream_probe.WINDOW_BYTES + 1024 <= smem_limit(occupancy)
 
 
 @pytest.mark.compile

@@ -1,10 +1,14 @@
-"""L2 prefetch of byte ranges for sm_90a: weights a call is about to stream, brought into L2 while HBM is idle.
+"""L2 prefetch of byte ranges for sm_90a: the layer's shared-expert W1 weights, beside its comm kernels.
 
 At small T a layer call starts with its comm kernels (publish, dispatch: chains of dependent round trips that read a
 few KB) and W1 launches ~7 µs in (H200): HBM idles meanwhile. The shared experts' W1 weights are read by every call
-and known before it starts, so the layer prefetches them into L2 on a side branch of its graph, beside the comm
-kernels (gcmoe's sm90 backend; docs/benchmarks/l2-hint-h200-2026-12-01.md for why the window loop itself gains nothing
-from prefetching: there the HBM is already busy).
+and known before it starts, so the layer prefetches them on a side branch of its graph, beside the comm kernels
+(gcmoe's sm90 backend): 1.01-1.04x at T = 1 with L2 full of dirty lines, nothing with clean ones
+(docs/benchmarks/l2-hint-h200-2026-12-01.md). What that gain is, measured later (l2-warm-h200-2026-12-01.md,
+tools/gpu/l2_warm_probe.py): a bulk-copy stream of bytes prefetched this way runs as slowly as a cold one (plain loads
+of the same bytes leave it at the HBM floor), so the prefetch does not leave W1 its bytes in L2; it makes L2 write
+its dirty lines back during the comm kernels instead of during W1. Prefetching W1's or W2's next windows this way, or
+warming them by loads, made the layer slower (same record).
 
     for every range r (address, bytes: by value) and every 16 KB chunk c of it:
         cp.async.bulk.prefetch.L2 [address_r + 16 KB c], min(16 KB, bytes_r - 16 KB c)
