@@ -532,3 +532,56 @@ def test_run_sh_soak_step_reaches_the_soak_script(tmp_path):
     assert "=== soak ===" in r.stdout and "C-P4-T5.1.8.3" in (tmp_path / "soak.log").read_text()
     text = (TOOLS / "run.sh").read_text()
     assert "    benchmark)" in text and "test_bench_layer.py" in text and "--benchmark-json" in text
+
+
+def test_schedule_probe_queues_cover_every_window_once_and_order_w2_after_its_w1():
+    """schedule_probe.py's queues: every W1 / W2 window record exactly once per order; W2 units wait for (and only
+    they wait for) their expert, W1 units count in theirs; two_launch puts W2 in a launch of its own with nothing to
+    wait for; interleaved claims W2(e) only after all of W1(e) and W1(e + 1)."""
+    import schedule_probe
+
+    for shape in schedule_probe.SHAPES:
+        _, experts, mt1, nw1, mt2, nw2 = shape
+        w1_records = experts * mt1 * nw1
+        records = w1_records + experts * mt2 * nw2
+        for order in ("two_launch", "w1_then_w2", "interleaved"):
+            for unit in (1, 3, 8):
+                launches = schedule_probe.queue(shape, order, unit)
+                covered = [r + i for q in launches for r, n, _, _ in q for i in range(n)]
+                assert sorted(covered) == list(range(records)), (shape[0], order, unit)
+                for q in launches:
+                    for r, n, wait_e, count_e in q:
+                        assert 1 <= n <= unit
+                        if r < w1_records:  # a W1 unit: counts in its expert, waits for nothing
+                            assert (wait_e, count_e) == (-1, r // (mt1 * nw1))
+                        else:
+                            want = -1 if order == "two_launch" else (r - w1_records) // (mt2 * nw2)
+                            assert (wait_e, count_e) == (want, -1)
+                if order == "two_launch":
+                    assert len(launches) == 2 and all(r >= w1_records for r, *_ in launches[1])
+                if order == "interleaved":
+                    (q,) = launches
+                    last_w1 = {e: max(i for i, u in enumerate(q) if u[3] == e) for e in range(experts)}
+                    for i, (_, _, wait_e, _) in enumerate(q):
+                        if wait_e >= 0:
+                            assert i > last_w1[wait_e] and (wait_e + 1 >= experts or i > last_w1[wait_e + 1])
+
+
+@pytest.mark.compile
+def test_schedule_probe_compiles_for_sm90a():
+    """schedule_probe.py's persistent kernel: bulk copies into stages on mbarriers, the claim counter's atomic, a W2
+    unit's bounded acquire spin (nanosleep), no local memory; its stages fit two CTAs per SM."""
+    import schedule_probe
+    import stream_probe
+
+    from gcmoe_core.cutedsl import sass_opcodes
+    from gcmoe_gemm_sm90.config import smem_limit
+
+    k = schedule_probe.compiled(5)
+    ops = sass_opcodes(k.sass())
+    assert "UBLKCP.S.G" in ops and any(o.startswith("SYNCS.PHASECHK") for o in ops)
+    assert any(o.startswith("ATOMG.E.ADD") for o in ops) and any(o.startswith("LDG.E.STRONG.GPU") for o in ops)
+    assert "NANOSLEEP" in ops and k.resources()["LOCAL"] == 0
+    assert smem_limit(2) >= 5 * stream_probe.WINDOW_BYTES + 1024
+    with pytest.raises(ValueError, match="stages"):
+        schedule_probe.ScheduleProbe(16)
