@@ -577,11 +577,12 @@ def test_schedule_probe_compiles_for_sm90a():
     from gcmoe_core.cutedsl import sass_opcodes
     from gcmoe_gemm_sm90.config import smem_limit
 
-    k = schedule_probe.compiled(5)
-    ops = sass_opcodes(k.sass())
-    assert "UBLKCP.S.G" in ops and any(o.startswith("SYNCS.PHASECHK") for o in ops)
-    assert any(o.startswith("ATOMG.E.ADD") for o in ops) and any(o.startswith("LDG.E.STRONG.GPU") for o in ops)
-    assert "NANOSLEEP" in ops and k.resources()["LOCAL"] == 0
+    for prefill in (False, True):  # the producer waits for a W2 unit's expert, or its consumers do
+        k = schedule_probe.compiled(5, prefill=prefill)
+        ops = sass_opcodes(k.sass())
+        assert "UBLKCP.S.G" in ops and any(o.startswith("SYNCS.PHASECHK") for o in ops)
+        assert any(o.startswith("ATOMG.E.ADD") for o in ops) and any(o.startswith("LDG.E.STRONG.GPU") for o in ops)
+        assert "NANOSLEEP" in ops and k.resources()["LOCAL"] == 0
     assert smem_limit(2) >= 5 * stream_probe.WINDOW_BYTES + 1024
     with pytest.raises(ValueError, match="stages"):
         schedule_probe.ScheduleProbe(16)

@@ -19,8 +19,12 @@ in (-1: none)), built on the host (`queue`):
     w1_then_w2   every W1 unit (experts in order; in an expert, window chunk-major over its tiles, so all CTAs stream
                  the same expert at once and experts finish one after another), then every W2 unit the same way
     interleaved  W1(e0), W1(e1), W2(e0), W1(e2), W2(e1), ..., W2(e_last): W2 of an expert one expert behind its W1
-    two_launch   W1's units as one launch, then W2's as a second (today's structure, as a baseline)
-A unit is `unit` windows of one tile (the tile's windows split in chunks).
+    two_launch   W1's units as one launch, then W2's as a second on the same stream (today's structure, as a
+                 baseline; without PDL, so W2's CTAs start only once W1's have all exited, a little later than the
+                 layer's W2)
+A unit is `unit` windows of one tile (the tile's windows split in chunks). Two kernels: the producer waits for a W2
+unit's expert before copying its windows; `_prefill`: the producer streams them at once (the stages fill ahead, as
+the real W2 copies its weights before its wait) and the consumers wait instead.
 
     python tools/gpu/schedule_probe.py [--units 2 4 8] [--iters 25] [--flush write read] [--out FILE.json]
 """
@@ -54,10 +58,10 @@ SPIN_LIMIT = 1 << 20  # a W2 unit's wait gives up after ~0.2 s (and is counted):
 
 
 class ScheduleProbe:
-    def __init__(self, stages: int, evict_first: bool = True):
+    def __init__(self, stages: int, evict_first: bool = True, prefill: bool = False):
         if not 2 <= stages < RING:
             raise ValueError(f"ScheduleProbe: 2..{RING - 1} stages, got {stages}")
-        self.stages, self.evict_first = stages, evict_first
+        self.stages, self.evict_first, self.prefill = stages, evict_first, prefill
 
     @cute.jit
     def __call__(
@@ -124,15 +128,8 @@ class ScheduleProbe:
                     q = queue + Int64(u) * 16
                     rec0 = ld_u32(q)
                     nwin = ld_u32(q + 4)
-                    wait_e = ld_u32(q + 8)
-                    if wait_e >= 0 and lane == 0:  # a W2 unit: every W1 window of its expert consumed
-                        tries = Int32(0)
-                        while ld_acquire_u32(sync + 4 * (1 + Int64(wait_e)), "gpu") < need and tries < SPIN_LIMIT:
-                            nanosleep(200)
-                            tries = tries + 1
-                        if tries == SPIN_LIMIT:  # (never expected: counted in the last sync word, checked by the host)
-                            atom_add_u32(sync + 4 * (1 + Int64(experts)), 1, "relaxed", "gpu")
-                    cute.arch.sync_warp()
+                    if cutlass.const_expr(not self.prefill):  # a W2 unit's windows only once its W1 is consumed
+                        self.wait_w1(sync, ld_u32(q + 8), need, experts, lane)
                 else:
                     u = Int32(-1)
                     more = Int32(0)
@@ -166,6 +163,8 @@ class ScheduleProbe:
                     q = queue + Int64(u) * 16
                     nwin = ld_u32(q + 4)
                     count_e = ld_u32(q + 12)
+                    if cutlass.const_expr(self.prefill):  # the windows stream ahead; what consumes them waits
+                        self.wait_w1(sync, ld_u32(q + 8), need, experts, lane)
                 else:
                     more = Int32(0)
                 for w in cutlass.range(nwin, unroll=1):
@@ -181,13 +180,26 @@ class ScheduleProbe:
             if lane == 0:
                 st_u32(out + 4 * Int64(cta * CONSUMER_WARPS + warp), acc)
 
+    @cute.jit
+    def wait_w1(self, sync: Int64, wait_e: Int32, need: Int32, experts: Int32, lane: Int32):
+        """(a warp) wait_e >= 0: until done[wait_e] reaches `need` (acquire; lane 0 polls, the warp waits for it); a
+        wait past SPIN_LIMIT polls gives up and is counted in sync[1 + experts]."""
+        if wait_e >= 0 and lane == 0:
+            tries = Int32(0)
+            while ld_acquire_u32(sync + 4 * (1 + Int64(wait_e)), "gpu") < need and tries < SPIN_LIMIT:
+                nanosleep(200)
+                tries = tries + 1
+            if tries == SPIN_LIMIT:
+                atom_add_u32(sync + 4 * (1 + Int64(experts)), 1, "relaxed", "gpu")
+        cute.arch.sync_warp()
 
-def compiled(stages: int, evict_first: bool = True, arch: str = "sm_90a"):
+
+def compiled(stages: int, evict_first: bool = True, prefill: bool = False, arch: str = "sm_90a"):
     from cutlass import runtime as crt
 
     z64 = Int64(0)
     return compile_kernel(
-        ScheduleProbe(stages, evict_first),
+        ScheduleProbe(stages, evict_first, prefill),
         z64,
         z64,
         Int32(1),
@@ -198,7 +210,7 @@ def compiled(stages: int, evict_first: bool = True, arch: str = "sm_90a"):
         Int32(1),
         crt.make_fake_stream(),
         arch=arch,
-        name=f"schedule_probe_s{stages}{'_ef' if evict_first else ''}",
+        name=f"schedule_probe_s{stages}{'_ef' if evict_first else ''}{'_pf' if prefill else ''}",
     )
 
 
@@ -241,8 +253,55 @@ def queue(shape: tuple, order: str, unit: int) -> list[list[tuple[int, int, int,
     raise ValueError(f"unknown order {order!r}")
 
 
+def measure(kern, shape, order: str, unit: int, src, out, ctas: int, flushes: dict, iters: int, variant: str) -> dict:
+    """One order x unit x kernel variant: checked once (every claim, every W1 window counted, no wait gave up), then
+    timed per flush; {key: median µs}."""
+    from gcmoe_core.timing import time_once
+
+    name, experts, mt1, nw1, _, _ = shape
+    dev = src.device
+    launches = [torch.tensor(q, dtype=torch.int32, device=dev) for q in queue(shape, order, unit)]
+    syncs = [torch.zeros(2 + experts, dtype=torch.int32, device=dev) for _ in launches]
+
+    def run():
+        for q, sync in zip(launches, syncs):
+            kern(
+                Int64(src.data_ptr()),
+                Int64(q.data_ptr()),
+                Int32(q.shape[0]),
+                Int32(mt1 * nw1),
+                Int32(experts),
+                Int64(sync.data_ptr()),
+                Int64(out.data_ptr()),
+                Int32(ctas),
+                cuda.CUstream(torch.cuda.current_stream().cuda_stream),
+            )
+
+    run()
+    torch.cuda.synchronize()
+    for q, sync in zip(launches, syncs):  # the claim counter past each queue by one per CTA
+        assert int(sync[0]) == q.shape[0] + ctas, (name, order, unit, variant, int(sync[0]))
+    assert syncs[0][1:].tolist() == [mt1 * nw1] * experts + [0], (name, order, variant, syncs[0].tolist())
+    assert all(int(sync[-1]) == 0 for sync in syncs), (name, order, variant, "a W2 wait gave up")
+    res = {}
+    for m, flush in flushes.items():
+
+        def reset(flush=flush):
+            """(untimed) cold L2, the counters zeroed, then ~50 µs of sleep: the launches are queued while it runs,
+            so no host launch gap lands between the timing events"""
+            flush()
+            for sync in syncs:
+                sync.zero_()
+            torch.cuda._sleep(SLEEP_CYCLES)
+
+        res[f"{order}{variant}_u{unit}_{m}_us"] = round(
+            statistics.median(time_once(run, reset) for _ in range(iters)), 1
+        )
+    return res
+
+
 def main() -> None:
-    from gcmoe_core.timing import L2_FLUSHES, ColdL2, copy_bandwidth, run_meta, time_once
+    from gcmoe_core.timing import L2_FLUSHES, ColdL2, copy_bandwidth, run_meta
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--units", nargs="+", type=int, default=[2, 4, 8])
@@ -255,7 +314,7 @@ def main() -> None:
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     ctas = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
-    kern = compiled(args.stages)
+    kernels = {"": compiled(args.stages), "_prefill": compiled(args.stages, prefill=True)}
     flushes = {m: ColdL2(dev, m) for m in args.flush}
     rows = []
     for shape in SHAPES:
@@ -267,42 +326,8 @@ def main() -> None:
         row["floor_us"] = records * WINDOW_BYTES / bw * 1e6
         for order in args.orders:
             for unit in args.units if order != "two_launch" else args.units[:1]:
-                launches = [torch.tensor(q, dtype=torch.int32, device=dev) for q in queue(shape, order, unit)]
-                syncs = [torch.zeros(2 + experts, dtype=torch.int32, device=dev) for _ in launches]
-
-                def run(launches=launches, syncs=syncs, src=src, out=out, need=mt1 * nw1, experts=experts):
-                    for q, sync in zip(launches, syncs):
-                        kern(
-                            Int64(src.data_ptr()),
-                            Int64(q.data_ptr()),
-                            Int32(q.shape[0]),
-                            Int32(need),
-                            Int32(experts),
-                            Int64(sync.data_ptr()),
-                            Int64(out.data_ptr()),
-                            Int32(ctas),
-                            cuda.CUstream(torch.cuda.current_stream().cuda_stream),
-                        )
-
-                run()
-                torch.cuda.synchronize()
-                # the claim counter past each queue by one per CTA; every W1 window counted once per expert
-                for q, sync in zip(launches, syncs):
-                    assert int(sync[0]) == q.shape[0] + ctas, (name, order, unit, int(sync[0]))
-                assert syncs[0][1:].tolist() == [mt1 * nw1] * experts + [0], (name, order, syncs[0].tolist())
-                assert all(int(sync[-1]) == 0 for sync in syncs), (name, order, "a W2 wait gave up")
-                for m, flush in flushes.items():
-
-                    def reset(flush=flush, syncs=syncs):
-                        """(untimed) cold L2, the counters zeroed, then ~50 µs of sleep: the launches are queued
-                        while it runs, so no host launch gap lands between the timing events"""
-                        flush()
-                        for sync in syncs:
-                            sync.zero_()
-                        torch.cuda._sleep(SLEEP_CYCLES)
-
-                    t = statistics.median(time_once(run, reset) for _ in range(args.iters))
-                    row[f"{order}_u{unit}_{m}_us"] = round(t, 1)
+                for variant, kern in kernels.items() if order != "two_launch" else [("", kernels[""])]:
+                    row.update(measure(kern, shape, order, unit, src, out, ctas, flushes, args.iters, variant))
         rows.append(row)
         print(json.dumps(row), flush=True)
         del src
