@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from stream_probe import WINDOW_BYTES
+from stream_probe import WINDOW_BYTES, window_pipeline
 
 from gcmoe_core.cutedsl import compile_kernel, cutlass_modules
 from gcmoe_core.device_ops import atom_add_u32, ld_acquire_u32, ld_u32, nanosleep, st_u32
@@ -103,14 +103,7 @@ class ScheduleProbe:
         st = utils.SmemAllocator().allocate(self.shared)
         sw = st.sW.get_tensor(cute.make_layout(WINDOW_BYTES // 4 * self.stages))
         ring = st.ring.get_tensor(cute.make_layout(RING))
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=st.mbar.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WARPS),
-            tx_count=WINDOW_BYTES,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
+        pipe = window_pipeline(st.mbar.data_ptr(), self.stages, CONSUMER_WARPS)
         cute.arch.barrier()
         dst = st.sW.data_ptr().toint()
         if warp == CONSUMER_WARPS:  # the producer warp

@@ -66,14 +66,7 @@ class StreamProbe:
         lane = tidx % 32
         st = utils.SmemAllocator().allocate(self.shared)
         sw = st.sW.get_tensor(cute.make_layout(WINDOW_BYTES // 4 * self.stages))
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=st.mbar.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, THREADS // 32),
-            tx_count=WINDOW_BYTES,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
+        pipe = window_pipeline(st.mbar.data_ptr(), self.stages, THREADS // 32)
         cute.arch.barrier()
         base = src.iterator.toint() + Int64(cta) * Int64(windows) * WINDOW_BYTES
         dst = st.sW.data_ptr().toint()
@@ -112,6 +105,19 @@ class StreamProbe:
                 part = WEIGHT_BYTES // self.chunks
                 bulk_copy_g2s(stage + c * part, at + c * part, part, bar, self.evict_first)
             bulk_copy_g2s(stage + WEIGHT_BYTES, at + WEIGHT_BYTES, SCALE_BYTES, bar, self.evict_first)
+
+
+def window_pipeline(mbar, stages: int, consumer_warps: int) -> pipeline.PipelineTmaAsync:
+    """(inside a kernel) The kernels' stage pipeline: `stages` stages of one window (WINDOW_BYTES by bulk copy) on the
+    mbarriers at `mbar` (2 x stages), one producer thread, every warp of `consumer_warps` releasing each stage."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=mbar,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        tx_count=WINDOW_BYTES,
+        cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+    )
 
 
 def compiled(stages: int, occupancy: int, chunks: int = 1, evict_first: bool = False, arch: str = "sm_90a"):
