@@ -3,7 +3,11 @@ and end of every kernel relative to the first, per stream), partitioned vs seque
 time per call next to its GPU time, and the replay overhead of the layer's graph: a cold-L2 replay timed by CUDA
 events on its stream minus the span of its kernels (first start to last end, profiler; medians).
 
-    python tools/gpu/layer_probe.py [--models deepseek-v3] [--tokens 1 8 32] [--out DIR]
+--l2-prefetch on off: each point with the shared experts' W1 prefetch beside the comm kernels (the default, T = 1)
+and without it (Sm90Plan.l2_prefetch), to see whether the side branch delays the main one: `main_span_us` (publish's
+start to the last kernel's end) against the event-timed replay.
+
+    python tools/gpu/layer_probe.py [--models deepseek-v3] [--tokens 1 8 32] [--l2-prefetch on off] [--out DIR]
 """
 
 import argparse
@@ -24,20 +28,33 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--models", nargs="+", default=["deepseek-v3"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32])
 ap.add_argument("--comm", nargs="+", type=int, default=[0, 16])
+ap.add_argument("--l2-prefetch", nargs="+", choices=("on", "off"), default=["on"])
 ap.add_argument("--out", default=".")
 args = ap.parse_args()
 flush = ColdL2(torch.device("cuda"), "read")
 
 
 def short(name: str) -> str:
-    for key in ("publish", "dispatch", "finalize", "grouped_w1", "grouped_w2", "w1", "w2", "amax", "fill"):
-        if key in name.lower():
-            return key
+    """A kernel's role; the grouped GEMMs are "gemm" here (W1 / W2 by launch order: timeline)."""
+    low = name.lower()
+    for key, role in (
+        ("publish", "publish"),
+        ("dispatch", "dispatch"),
+        ("finalize", "finalize"),
+        ("prefetchl2", "prefetch_l2"),
+        ("groupedgemm", "gemm"),
+        ("amax", "amax"),
+        ("fill", "fill"),
+    ):
+        if key in low:
+            return role
     return name[:30]
 
 
 def timeline(run, reps=3):
-    """Kernels of `reps` cold-L2 runs: per run, (name, start, end) µs from the run's first kernel."""
+    """Kernels of `reps` cold-L2 runs: ((name, start, end) µs from the first kernel of the last run, the median span
+    of a run (its first kernel's start to its last one's end), the median main-branch span (publish's start to the
+    run's last end))."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             flush()
@@ -58,10 +75,16 @@ def timeline(run, reps=3):
             continue
         cur.append((a, b, short(name)))
     runs.append(cur)
+    for r in runs:  # the grouped GEMMs in launch order: W1, then W2
+        gemms = [i for i, (_, _, n) in enumerate(r) if n == "gemm"]
+        for j, i in enumerate(gemms):
+            r[i] = (r[i][0], r[i][1], f"w{j + 1}" if len(gemms) == 2 else "gemm")
     last = runs[-1]
     t0 = last[0][0]
     spans = [max(b for _, b, _ in r) - r[0][0] for r in runs]
-    return [(n, round(a - t0, 1), round(b - t0, 1)) for a, b, n in last], round(statistics.median(spans), 1)
+    mains = [max(b for _, b, _ in r) - min(a for a, _, n in r if n == "publish") for r in runs]
+    tl = [(n, round(a - t0, 1), round(b - t0, 1)) for a, b, n in last]
+    return tl, round(statistics.median(spans), 1), round(statistics.median(mains), 1)
 
 
 def event_us(run, reps=20) -> float:
@@ -86,8 +109,9 @@ records = []
 for model in args.models:
     cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=256)
     weights = make_weights(cfg, 1, "cuda")
-    for c in args.comm:
+    for c, pf in [(c, pf) for c in args.comm for pf in args.l2_prefetch]:
         layer = gcmoe.MoELayer(cfg, "cuda", "sm90", comm_sms=c).load(weights)
+        layer.packed.plan.l2_prefetch = pf == "on"  # (read when a call is enqueued or a bucket graph captured)
         for t in args.tokens:
             x, ids, w = make_tokens(cfg, t, "uniform", t, device="cuda")
             layer(x, ids, w)
@@ -96,8 +120,8 @@ for model in args.models:
                 layer(x, ids, w)
             g.replay()
             torch.cuda.synchronize()
-            tl_graph, span_graph = timeline(g.replay, reps=10)
-            tl_eager, span_eager = timeline(lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w))
+            tl_graph, span_graph, main_span = timeline(g.replay, reps=10)
+            tl_eager, span_eager, _ = timeline(lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w))
             host = []
             for _ in range(40):
                 t0 = time.perf_counter()
@@ -117,8 +141,10 @@ for model in args.models:
                 "model": model,
                 "tokens": t,
                 "comm_sms": c,
+                "l2_prefetch": pf,
                 "graph_replay_event_us": replay_us,
                 "graph_span_us": span_graph,
+                "main_span_us": main_span,
                 "graph_replay_overhead_us": round(replay_us - span_graph, 1),
                 "graph_busy_us": busy(tl_graph),
                 "graph_gaps_us": round(span_graph - busy(tl_graph), 1),
