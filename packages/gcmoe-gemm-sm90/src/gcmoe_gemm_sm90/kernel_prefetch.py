@@ -5,10 +5,10 @@ few KB) and W1 launches ~7 µs in (H200): HBM idles meanwhile. The shared expert
 and known before it starts, so the layer prefetches them on a side branch of its graph, beside the comm kernels
 (gcmoe's sm90 backend): 1.01-1.04x at T = 1 with L2 full of dirty lines, nothing with clean ones
 (docs/benchmarks/l2-hint-h200-2026-12-01.md). What that gain is, measured later (l2-warm-h200-2026-12-01.md,
-tools/gpu/l2_warm_probe.py): a bulk-copy stream of bytes prefetched this way runs as slowly as a cold one (plain loads
-of the same bytes leave it at the HBM floor), so the prefetch does not leave W1 its bytes in L2; it makes L2 write
-its dirty lines back during the comm kernels instead of during W1. Prefetching W1's or W2's next windows this way, or
-warming them by loads, made the layer slower (same record).
+tools/gpu/l2_warm_probe.py): in a probe, a bulk-copy stream of 31 MB prefetched this way ran as slowly as a cold one
+(plain loads of the same bytes left it at the HBM floor), so the gain is most likely L2 writing its dirty lines back
+during the comm kernels instead of during W1, more than W1's bytes found in L2. Prefetching W1's or W2's next windows
+this way, or warming them by loads, made the layer slower (same record).
 
     for every range r (address, bytes: by value) and every 16 KB chunk c of it:
         cp.async.bulk.prefetch.L2 [address_r + 16 KB c], min(16 KB, bytes_r - 16 KB c)

@@ -16,10 +16,10 @@ pipeline (the component packages export kernels only).
     reads them, and HBM idles while the comm kernels' latency chains run). The layer 1.04x faster at T = 1 for
     DeepSeek-V3 and GLM-5 with L2 full of dirty lines (a write flush; 1.01x V4-Flash), 0.99-1.01x with clean ones,
     0.98-1.00x at T = 8 / 32, so bucket 1 only (H200, 2026-12-01, tools/gpu/split_sweep.py --sweep l2_prefetch,
-    docs/benchmarks/l2-hint-h200-2026-12-01.md; Sm90Plan.l2_prefetch switches it off). The gain is L2's dirty lines
-    written back during the comm kernels, not W1's bytes found in L2 (gcmoe_gemm_sm90.kernel_prefetch); prefetching
-    the routed experts' first W1 windows, W2's first windows, or warming either by loads: 0.57-1.02x, not kept
-    (docs/benchmarks/l2-warm-h200-2026-12-01.md).
+    docs/benchmarks/l2-hint-h200-2026-12-01.md; Sm90Plan.l2_prefetch switches it off). The gain is most likely L2's
+    dirty lines written back during the comm kernels, not W1's bytes found in L2 (gcmoe_gemm_sm90.kernel_prefetch);
+    prefetching the routed experts' first W1 windows, W2's first windows, or warming either by loads: 0.57-1.02x, not
+    kept (docs/benchmarks/l2-warm-h200-2026-12-01.md).
     comm_sms = 0 for the bucket (the tuned policy above its token threshold, or MoELayer(comm_sms=0)): the same five
     kernels on the caller's stream, in order.
 
