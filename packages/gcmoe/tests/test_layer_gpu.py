@@ -480,3 +480,48 @@ def test_model_shaped_layers_match_the_reference():
         layer.check()
         del layer, seq
         torch.cuda.empty_cache()
+
+
+@pytest.mark.sm90
+def test_fused_gemms_through_the_layer():
+    """W1 and W2 as one persistent launch (Sm90Config.fused, forced) through the public layer: the reference to 1e-3
+    on every routing, sequential and partitioned (16 comm SMs: fewer CTA slots, other window ranges); inside a
+    caller's capture, replays with new routing each equal to the eager call; model-shaped slices too (V4-Flash
+    T = 1 / 8, DeepSeek-V3 T = 1)."""
+    from gcmoe_gemm_sm90.config import Sm90Config, with_fused
+
+    kcfg = with_fused(Sm90Config(n_tile=8, prefetch=2), CFG.hidden_size, CFG.intermediate_size)
+    weights = make_weights(CFG, 40, "cuda")
+    layers = {c: _layer(weights=weights, comm_sms=c, kernel_config=kcfg)[0] for c in (0, 16)}
+    for i, routing in enumerate(ROUTINGS):
+        x, ids, w = _tokens(CFG, 9, routing, 300 + i)
+        ref = moe_reference(x, ids, w, weights)
+        for c, layer in layers.items():
+            assert calc_diff(layer(x, ids, w), ref) < 1e-3, f"{routing}, comm_sms={c}"
+    layer = layers[0]
+    sx, sids, sw = _tokens(CFG, 9, "uniform", 310)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=torch.cuda.Stream()):
+        out = layer(sx, sids, sw)
+    for i in range(20):
+        nx, nids, nw = _tokens(CFG, 9, ROUTINGS[i % 3], 320 + i)
+        sx.copy_(nx), sids.copy_(nids), sw.copy_(nw)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert first_mismatch(out, layer(sx, sids, sw)) == "", f"replay {i}"
+    layer.check()
+    for model, t in (("deepseek-v4-flash", 1), ("deepseek-v4-flash", 8), ("deepseek-v3", 1)):
+        cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=256)
+        mw = make_weights(cfg, seed=50 + t, device="cuda")
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        chosen = gcmoe.MoELayer(cfg, "cuda", "sm90").load(mw)
+        fused_cfg = with_fused(chosen.packed.plan.kernel_config(t), h, i)
+        fused = gcmoe.MoELayer(cfg, "cuda", "sm90", kernel_config=fused_cfg).load(mw)
+        x, ids, w = _tokens(cfg, t, "uniform", t)
+        y = fused(x, ids, w)
+        assert calc_diff(y, moe_reference(x, ids, w, mw)) < 1e-3, f"{model} T={t}"
+        assert calc_diff(y, chosen(x, ids, w)) < 1e-5, f"{model} T={t}: fused vs the chosen kernels"
+        fused.check()
+        del chosen, fused
+        torch.cuda.empty_cache()
