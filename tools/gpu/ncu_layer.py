@@ -1,7 +1,7 @@
 """The public layer's W1 and W2 launches, for Nsight Compute (the GEMMs as the layer runs them: ring mode, shared
 expert included; ncu serialises the kernels, so this is each kernel alone, not their overlap).
 
-    bash tools/gpu/ncu_layer.sh deepseek-v3 1 [stream_k|unsplit|fused]     (the counters: ncu_sm90.sh's)
+    bash tools/gpu/ncu_layer.sh deepseek-v3 1 [stream_k]     (the counters: ncu_sm90.sh's)
 
 Calls the layer three times (graph replays of its eager path); ncu_layer.sh profiles the third call's GEMMs.
 """
@@ -14,7 +14,7 @@ import torch
 import gcmoe
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import make_tokens, make_weights
-from gcmoe_gemm_sm90.config import with_fused, with_splits
+from gcmoe_gemm_sm90.config import with_splits
 from gcmoe_gemm_sm90.ops import MoESm90
 
 
@@ -26,8 +26,6 @@ def main(model: str, tokens: int, variant: str) -> None:
     if variant in ("unsplit", "stream_k"):
         kcfg = replace(kcfg, stream_k=variant == "stream_k")  # (with_splits sizes its stages)
         kcfg = with_splits(kcfg, (1, kcfg.splits[1]), cfg.hidden_size, cfg.intermediate_size)
-    if variant == "fused":  # W1 and W2 as one launch: profile it with --launch-skip 2 --launch-count 1
-        kcfg = with_fused(kcfg, cfg.hidden_size, cfg.intermediate_size)
     layer = gcmoe.MoELayer(cfg, "cuda", "sm90", comm_sms=0, kernel_config=kcfg).load(weights)
     for _ in range(3):
         layer(x, ids, w)

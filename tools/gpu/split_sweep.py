@@ -16,8 +16,9 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
     --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
-    --sweep fused        the chosen config vs W1 and W2 as one persistent launch (Sm90Config.fused: whole tiles claimed
-                         at run time by every CTA slot, W1's then W2's), with as many stages as fit and with 4
+    --sweep fused        the chosen config vs W1 and W2 as one persistent launch (Sm90Config.fused: stream_k ranges of
+                         W1 then of W2 on every CTA slot) vs the same two ranges as two launches' nearest kin (W1
+                         stream_k, W2 per expert after it)
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
                                     [--l2-flush read] [--out DIR]
@@ -36,7 +37,7 @@ from gcmoe.backends.sm90 import Sm90Plan
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import calc_diff, make_tokens, make_weights
 from gcmoe_core.timing import L2_FLUSHES, capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
-from gcmoe_gemm_sm90.config import TILE_M, can_implement, with_fused, with_splits
+from gcmoe_gemm_sm90.config import TILE_M, can_implement, smem_bytes, smem_limit, with_fused, with_splits
 from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
@@ -74,8 +75,14 @@ for model in args.models:
             streamk = with_splits(replace(unsplit, stream_k=True), unsplit.splits, h, i)  # (its stages)
             variants = {"chosen": chosen, "w1_unsplit": unsplit, "stream_k": streamk}
         elif args.sweep == "fused":
+            unsplit = with_splits(replace(chosen, stream_k=True, splits=(1, 1)), (1, 1), h, i)
             fused = with_fused(chosen, h, i)
-            variants = {"chosen": chosen, "fused": fused, "fused_s4": replace(fused, stages=4)}
+            variants = {"chosen": chosen, "fused": fused, "w1_stream_k": unsplit}
+            # the same with as many stages as shared memory holds (stream_k's are capped at STREAM_K_STAGES)
+            for name, c in (("fused_deep", fused), ("w1_stream_k_deep", unsplit)):
+                fit = [d for d in range(2, 9) if smem_bytes(replace(c, stages=d), max(h, i)) <= smem_limit(c.occupancy)]
+                if max(fit) > c.stages:
+                    variants[name] = replace(c, stages=max(fit))
         elif args.sweep == "stages":
             depths = range(max(2, chosen.stages - 2), min(8, chosen.stages + 2) + 1)
             variants = {

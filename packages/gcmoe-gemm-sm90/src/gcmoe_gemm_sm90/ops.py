@@ -234,16 +234,16 @@ def launch_fused(
     comb: torch.Tensor,
     cfg: Sm90Config,
     ring: RingSync,
-    queue: torch.Tensor,
+    scratch: StreamKScratch,
+    scratch2: StreamKScratch,
     ctas: int,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
-    trace: torch.Tensor | None = None,
 ) -> None:
-    """W1 then W2 as one persistent launch of `ctas` CTAs claiming whole tiles at run time (cfg.fused, ring mode;
-    kernel_fused). Operands as launch_w1 then launch_w2 (W2's route_w for cfg.bias is W1's); queue: int32 [2], zero
-    before the first launch (each launch leaves it so; one launch at a time may use it: the caller's stream orders
-    them)."""
+    """W1 then W2 as one persistent launch (cfg.fused, ring mode; kernel_fused) of `ctas` CTAs, at most the CTA slots
+    of the partition it runs on (the W2 phase waits for W1 tiles of other CTAs: all must be resident at once).
+    Operands as launch_w1 then launch_w2 (W2's route_w for cfg.bias is W1's); scratch / scratch2: the W1 and W2
+    phases' StreamKScratch."""
     import cuda.bindings.driver as cuda
 
     from gcmoe_core.cutedsl import cutlass_modules, target_arch
@@ -261,15 +261,21 @@ def launch_fused(
         raise ValueError(f"sm90 fused: hq / hsT must be uint8 [{rows}, {inter}] / fp32 [{w13.m // TILE_M}, {rows}]")
     if src.dim() != 2 or src.shape[1] != 3 or comb.dtype != torch.int64 or dst.dtype != torch.int32:
         raise ValueError("sm90 fused: dst int32 [R], src int32 [R, 3], comb int64 [P]")
-    if queue.dtype != torch.int32 or queue.numel() < 2 or queue.device != dev or ctas < 1:
-        raise ValueError(f"sm90 fused: queue must be int32 [2] on {dev}, ctas >= 1 (got {ctas})")
+    for sk in (scratch, scratch2):
+        sk.check(cfg)
+        if not 1 <= ctas <= sk.ctas:
+            raise ValueError(f"sm90 fused: {ctas} CTAs, the scratch holds 1..{sk.ctas}")
+    if scratch.partials.data_ptr() == scratch2.partials.data_ptr():
+        raise ValueError("sm90 fused: the W1 and W2 phases need a StreamKScratch each")
     extra = _epilogue_operands("w1", cfg, ((b13, "bias", (e, w13.m)),), dev)
-    rw2 = route_w if b2 is not None else None
-    extra += _epilogue_operands("w2", cfg, ((b2, "bias", (e, w2.m)), (rw2, "route_w", (rows,))), dev)
+    extra += _epilogue_operands(
+        "w2", cfg, ((b2, "bias", (e, w2.m)), (route_w if b2 is not None else None, "route_w", (rows,))), dev
+    )
     cutlass = cutlass_modules()[0]
     i64 = cutlass.Int64
-    tr = 0 if trace is None else trace.data_ptr()  # (experiment: int32 [ctas, 64] per-unit timer stamps)
-    words = (ring.inuse, ring.cgen, ring.offs, ring.err, ring.l1_full, ring.w1_done, queue.data_ptr(), tr)
+    words = (ring.inuse, ring.cgen, ring.offs, ring.err, ring.l1_full, ring.w1_done)
+    words += (scratch.partials.data_ptr(), scratch.counters.data_ptr())
+    words += (scratch2.partials.data_ptr(), scratch2.counters.data_ptr())
     sig = tuple(i64(a) for a in words) + tuple(i64(t.data_ptr()) for t in extra)
     assert len(sig) == fused_sig_words(cfg)
     kern = compiled_fused(w13.k, inter, cfg, target_arch(dev.index))

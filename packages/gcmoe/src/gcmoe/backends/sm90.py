@@ -293,14 +293,18 @@ class Lane:
             for q, ptr in enumerate(self.ws.combine_ptrs):  # (no host-to-device copy: legal under a capture too)
                 self.comb[q].fill_(ptr)
             self.ring = (v.ring_x, v.ring_sxT, v.ring_w, v.ring_offsets, v.ring_counts, v.ring_dst, v.ring_src)
-            # W1's stream_k scratch (partials + arrival counters) where a bucket's kernel configuration uses it
-            sk_tiles = [c.n_tile for c in map(plan.kernel_config, _buckets(cfg.max_tokens_per_rank)) if c.stream_k]
-            self.sk_scratch = None
+            # W1's stream_k scratch (partials + arrival counters) where a bucket's kernel configuration uses it, and
+            # the fused launch's second one for its W2 phase
+            kcfgs = list(map(plan.kernel_config, _buckets(cfg.max_tokens_per_rank)))
+            sk_tiles = [c.n_tile for c in kcfgs if c.stream_k or c.fused]
+            fused_tiles = [c.n_tile for c in kcfgs if c.fused]
+            self.sk_scratch = self.sk_scratch2 = None
             if sk_tiles:
                 from gcmoe_gemm_sm90.ops import StreamKScratch
 
                 self.sk_scratch = StreamKScratch.make(dev, max(sk_tiles))
-            self.queue = torch.zeros(2, dtype=torch.int32, device=dev)  # the fused launch's unit queue words
+                if fused_tiles:
+                    self.sk_scratch2 = StreamKScratch.make(dev, max(fused_tiles))
             # each eager call's (x, ids, weights, out, T, ids-are-int64): written to a pinned staging slot, copied
             # (async, on the call's stream) into the device argument block the bucket graphs' publish reads
             self.slots = torch.zeros(NSLOTS, SLOT_WORDS, dtype=torch.int64, pin_memory=True)
@@ -382,10 +386,11 @@ class Lane:
         moe = self.plan.moe
         sk_ctas = 2 * (self.plan.sm_count - comm_sms)
         b13, b2 = moe.w13_bias, moe.w2_bias  # (gpt-oss) W2 adds the ring rows' route_w times b2
-        if kcfg.fused:  # one persistent launch over the CTA slots of the compute partition
+        if kcfg.fused:
             slots = kcfg.occupancy * (self.plan.sm_count - comm_sms)
+            scratch = (self.sk_scratch, self.sk_scratch2)
             rows_ops = (x, sxT, rw, offs, cnt, self.hq, self.hsT, dst, src, self.comb)
-            launch_fused(moe.w13, moe.w2, *rows_ops, kcfg, sync, self.queue, slots, b13, b2)
+            launch_fused(moe.w13, moe.w2, *rows_ops, kcfg, sync, *scratch, slots, b13, b2)
             return
         rw2 = rw if b2 is not None else None
         grid = dict(grid_rows=rows, first_expert=self.plan.first_row_expert())
@@ -594,9 +599,6 @@ class Lane:
         self.ws.recover()
         self.seq = 0
         self.status.zero_()
-        self.queue.zero_()  # (a failed fused launch may leave its queue words set)
-        if self.sk_scratch is not None:
-            self.sk_scratch.counters.zero_()
 
 
 def virtual_ranks(cfg: MoEConfig, weights: MoEWeights, device: torch.device, options: LayerOptions) -> list[Sm90Plan]:
