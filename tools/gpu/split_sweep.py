@@ -16,9 +16,6 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
     --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
-    --sweep fused        the chosen config vs W1 and W2 as one persistent launch (Sm90Config.fused: stream_k ranges of
-                         W1 then of W2 on every CTA slot) vs the same two ranges as two launches' nearest kin (W1
-                         stream_k, W2 per expert after it)
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
                                     [--l2-flush read] [--out DIR]
@@ -37,13 +34,13 @@ from gcmoe.backends.sm90 import Sm90Plan
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import calc_diff, make_tokens, make_weights
 from gcmoe_core.timing import L2_FLUSHES, capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
-from gcmoe_gemm_sm90.config import TILE_M, can_implement, smem_bytes, smem_limit, with_fused, with_splits
+from gcmoe_gemm_sm90.config import TILE_M, can_implement, with_splits
 from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
 ap.add_argument(
     "--sweep",
-    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch", "fused"),
+    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch"),
     default="splits",
 )
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
@@ -74,15 +71,6 @@ for model in args.models:
             unsplit = with_splits(replace(chosen, stream_k=False), (1, chosen.splits[1]), h, i)
             streamk = with_splits(replace(unsplit, stream_k=True), unsplit.splits, h, i)  # (its stages)
             variants = {"chosen": chosen, "w1_unsplit": unsplit, "stream_k": streamk}
-        elif args.sweep == "fused":
-            unsplit = with_splits(replace(chosen, stream_k=True, splits=(1, 1)), (1, 1), h, i)
-            fused = with_fused(chosen, h, i)
-            variants = {"chosen": chosen, "fused": fused, "w1_stream_k": unsplit}
-            # the same with as many stages as shared memory holds (stream_k's are capped at STREAM_K_STAGES)
-            for name, c in (("fused_deep", fused), ("w1_stream_k_deep", unsplit)):
-                fit = [d for d in range(2, 9) if smem_bytes(replace(c, stages=d), max(h, i)) <= smem_limit(c.occupancy)]
-                if max(fit) > c.stages:
-                    variants[name] = replace(c, stages=max(fit))
         elif args.sweep == "stages":
             depths = range(max(2, chosen.stages - 2), min(8, chosen.stages + 2) + 1)
             variants = {

@@ -34,7 +34,6 @@ from gcmoe_gemm_sm90.ops import (
     StreamKScratch,
     emulate_w1,
     emulate_w2,
-    launch_fused,
     launch_w1,
     launch_w2,
     w1,
@@ -271,8 +270,7 @@ class RingRun:
         self.out = torch.empty(sum(RING_COUNTS), moe.hidden, dtype=torch.bfloat16, device="cuda")
         self.src = torch.zeros(r, 3, dtype=torch.int32, device="cuda")  # every row to "rank 0": out
         self.comb = torch.tensor([self.out.data_ptr()], dtype=torch.int64, device="cuda")
-        self.scratch = StreamKScratch.make(torch.device("cuda"))  # (used where cfg.stream_k or cfg.fused)
-        self.scratch2 = StreamKScratch.make(torch.device("cuda"))  # (cfg.fused: its W2 phase's)
+        self.scratch = StreamKScratch.make(torch.device("cuda"))  # (used where cfg.stream_k)
         self.poison()
 
     def poison(self) -> None:
@@ -282,16 +280,10 @@ class RingRun:
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.hq.clone(), self.hsT.clone(), self.out.clone()
 
-    def launch(self, cfg: Sm90Config, ring: RingSync | None, grid_rows: int | None = None, ctas: int | None = None):
-        """W1 + W2 (cfg.fused: one launch of `ctas` CTAs, default every CTA slot; stream_k W1 over `ctas` too)."""
+    def launch(self, cfg: Sm90Config, ring: RingSync | None, grid_rows: int | None = None) -> None:
         m, a, lay = self.moe, self.acts, self.layout
         hq, hsT, sk, rows = self.hq, self.hsT, self.scratch, dict(grid_rows=grid_rows)
-        if cfg.fused:
-            ctas = ctas or cfg.occupancy * torch.cuda.get_device_properties(0).multi_processor_count
-            rows_ops = (a.x_rows, a.sxT, a.route_w, lay.offsets, lay.counts, hq, hsT, lay.src_slot, self.src)
-            launch_fused(m.w13, m.w2, *rows_ops, self.comb, cfg, ring, sk, self.scratch2, ctas)
-            return
-        launch_w1(m.w13, a.x_rows, a.sxT, a.route_w, lay.offsets, lay.counts, hq, hsT, cfg, ring, sk, ctas, **rows)
+        launch_w1(m.w13, a.x_rows, a.sxT, a.route_w, lay.offsets, lay.counts, hq, hsT, cfg, ring, sk, **rows)
         launch_w2(m.w2, hq, hsT, lay.offsets, lay.counts, lay.src_slot, self.src, self.comb, cfg, ring, **rows)
 
 
@@ -358,70 +350,6 @@ def test_ring_mode_with_fewer_grid_rows_than_experts_with_rows(variant):
         w1d = sig_w1_done(sig)
         assert sig[w1d:].view(-1, 2).tolist() == [[0, int(c > 0)] for c in RING_COUNTS]
         assert sig[SIG_ERR] == 0
-
-
-@pytest.mark.parametrize("ctas", [None, 3])
-@pytest.mark.parametrize("prefetch", [1, 2])
-def test_fused_launch_equals_stream_k_w1_and_models_w2(prefetch, ctas):
-    """Sm90Config.fused (W1 then W2 in one persistent launch, ring mode): W1's outputs bit for bit those of stream_k W1
-    over the same CTAs (the same window ranges), W2's against its torch model on them (every output row written
-    over poison) and bit for bit the same on a second launch with fresh signal words; the W1_DONE pairs as a call
-    leaves them, both phases' arrival counters back to 0, ERR clear. ctas 3: every CTA runs several tiles of each
-    phase (its range crossing from W1 into W2); every slot (None): most CTAs one piece, prefetch 1 splits each W2
-    tile between two CTAs (the partials reduced by the last to arrive)."""
-    cfg = Sm90Config(n_tile=8, stages=3, prefetch=prefetch, fused=True, ring=True)
-    moe, layout, acts, run = _ring_setup(17 + prefetch, cfg)
-    sig = ring_signals(layout)
-    before = sig.clone()
-    run.launch(cfg, ring_sync(sig), ctas=ctas)
-    torch.cuda.synchronize()
-    fused = run.outputs()
-    w1d = sig_w1_done(sig)
-    assert sig[w1d:].view(-1, 2).tolist() == [[0, int(c > 0)] for c in RING_COUNTS]
-    assert torch.equal(sig[:w1d], before[:w1d]), "the fused launch wrote a signal word (ERR?)"
-    assert not run.scratch.counters.any() and not run.scratch2.counters.any(), "arrival counters not back to 0"
-    hq, hsT, out = fused
-    assert not out.isnan().any(), "unwritten output rows"
-    ref = emulate_w2(unpack_sm90(moe.w2), hq, hsT, layout, torch.full_like(out, float("nan")))
-    assert calc_diff(out, ref) < 1e-3
-    valid = layout.src_slot >= 0
-    _assert_w1_matches_model(hq, hsT, *emulate_w1(unpack_sm90(moe.w13), acts, layout), valid)
-    run.poison()
-    run.launch(cfg, ring_sync(ring_signals(layout)), ctas=ctas)
-    torch.cuda.synchronize()
-    for name, a, b in zip(("hq", "hsT", "out"), fused, run.outputs(), strict=True):
-        assert _bits_equal(a, b), f"second launch, {name}: {first_mismatch(a, b)}"
-    two = replace(cfg, fused=False, stream_k=True)
-    run.poison()
-    n = ctas or 2 * torch.cuda.get_device_properties(0).multi_processor_count
-    run.launch(two, ring_sync(ring_signals(layout)), ctas=n)
-    torch.cuda.synchronize()
-    for name, a, b in list(zip(("hq", "hsT"), fused, run.outputs()))[:2]:
-        assert _bits_equal(a, b), f"W1 phase vs stream_k W1, {name}: {first_mismatch(a, b)}"
-    assert calc_diff(run.outputs()[2], out) < 1e-5  # W2 unsplit vs in window ranges: the same sums, other order
-
-
-def test_fused_w2_wait_is_bounded_and_recorded():
-    """Fused: expert 1's W1_DONE count starts off, so its tag never comes: the W2 phase's wait for it gives up within
-    the bound and records (1, KIND_W1, expert 1, 1, 0); expert 1's output rows stay unwritten."""
-    cfg = Sm90Config(n_tile=8, stages=3, prefetch=1, fused=True, ring=True)
-    _, layout, _, run = _ring_setup(19, cfg)
-    run.launch(cfg, ring_sync(ring_signals(layout)))  # (compiled and loaded before the timed launch)
-    torch.cuda.synchronize()
-    sig = ring_signals(layout)
-    sig[sig_w1_done(sig) + 2 * 1] = 100
-    run.poison()
-    poisoned = run.outputs()
-    t0 = time.perf_counter()
-    run.launch(cfg, ring_sync(sig, TIMEOUT_MS))
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    bound = TIMEOUT_MS / 1e3
-    assert 0.9 * bound <= dt < 2 * bound, f"{dt * 1e3:.1f} ms for a wait bounded by {TIMEOUT_MS} ms"
-    assert sig[SIG_ERR : SIG_ERR + 5].tolist() == [ERR_FAILED, KIND_W1, 1, 1, 0]
-    lo = int(layout.offsets[1])
-    slots = layout.src_slot[lo : lo + RING_COUNTS[1]].long()
-    assert _bits_equal(run.outputs()[2][slots], poisoned[2][slots]), "expert 1's rows were stored"
 
 
 def _ring_warmed(seed: int):

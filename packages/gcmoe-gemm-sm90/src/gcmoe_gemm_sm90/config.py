@@ -31,10 +31,6 @@ stream_k   W1 only, unsplit: a grid of `ctas` CTAs (the SM slots) over the activ
            (global scratch) in CTA order, deterministically. Every SM then streams the same bytes whatever the tile
            count (at one token per rank: 144 tiles of DeepSeek-V3 over 264 slots leave most SMs one tile; the K
            split clusters give 288 CTAs, a second wave)
-fused      ring mode: W1 and W2 in one persistent launch (kernel_fused): every CTA slot runs a stream_k range of W1's
-           windows, then one of W2's, whose activation loads wait (W1_DONE) for the experts its pieces read, its first
-           weight stages already in flight; no second launch, no wave tail between the two (#15 item 1). Needs W1
-           unsplit (splits (1, 1)), expert_sync and at most one CTA slot's worth of CTAs (all resident at once)
 ring_bm    rows per ring block (gcmoe-comm's BM): the grain of the L1_FULL tags; expert row offsets are multiples
            of it, not of the N tile (the TMA boxes start at any row)
 activation the W1 epilogue's activation, a compile-time choice: "swiglu" (silu(gate) * up) or "swiglu_clamped"
@@ -90,7 +86,6 @@ class Sm90Config:
     expert_sync: bool = True
     ring_bm: int = 8
     stream_k: bool = False
-    fused: bool = False
     activation: str = "swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
@@ -114,8 +109,6 @@ class Sm90Config:
             raise ValueError(f"Sm90Config: occupancy must be 1 or 2, got {self.occupancy}")
         if self.stream_k and self.splits[0] != 1:
             raise ValueError(f"Sm90Config: stream_k runs W1 unsplit (splits[0] = 1), got {self.splits}")
-        if self.fused and (self.splits != (1, 1) or not self.expert_sync):
-            raise ValueError(f"Sm90Config: fused runs both GEMMs unsplit with expert_sync, got {self.splits}")
         if self.ring_bm < 8 or self.ring_bm % 8:
             raise ValueError(f"Sm90Config: ring_bm must be a positive multiple of 8, got {self.ring_bm}")
         if self.activation not in ("swiglu", "swiglu_clamped"):
@@ -133,7 +126,7 @@ def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1) -> int:
     stage = n * WINDOW_K + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES
     red = 4 * n * 4 * cfg.warpgroups  # the W1 epilogue's per-warp amax
     fixed = 16 * cfg.stages + 128 + 16 + red + 4 * nw * n + 1024 + 128 + 16
-    fixed += 4 * 5 * 8 if cfg.stream_k or cfg.fused else 4  # stream_k's table of a CTA's first 8 tiles
+    fixed += 4 * 5 * 8 if cfg.stream_k else 4  # stream_k's table of a CTA's first 8 tiles
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)
 
 
@@ -252,13 +245,10 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
     unsplit: the layer 1.07-1.15x faster at T = 4-128 on DeepSeek-V3, 1.01-1.14x on V4-Flash at T = 2-128;
     0.965-0.988x where W1 runs in K-split clusters (both models at T = 1, V3 at T = 2), side by side on the H200,
     2026-11-30 (tools/gpu/split_sweep.py --sweep expert_sync, docs/benchmarks/expert-sync-h200-2026-11-30.md)."""
-    fused = cfg.fused and splits == (1, 1)
-    cfg = replace(
-        cfg, splits=splits, expert_sync=splits[0] == 1, stream_k=cfg.stream_k and splits[0] == 1, fused=fused
-    )
+    cfg = replace(cfg, splits=splits, expert_sync=splits[0] == 1, stream_k=cfg.stream_k and splits[0] == 1)
     k_max, s_max = max(hidden, inter), max(splits)
     fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k_max, s_max) <= smem_limit(cfg.occupancy)]
-    return replace(cfg, stages=min(max(fits), STREAM_K_STAGES) if cfg.stream_k or fused else max(fits))
+    return replace(cfg, stages=min(max(fits), STREAM_K_STAGES) if cfg.stream_k else max(fits))
 
 
 def can_implement(
@@ -282,9 +272,3 @@ def can_implement(
             f"of shared memory for K = {k}, over the {smem_limit(cfg.occupancy)} of occupancy {cfg.occupancy}"
         )
     return None
-
-
-def with_fused(cfg: Sm90Config, hidden: int, inter: int) -> Sm90Config:
-    """cfg as one fused W1 -> W2 launch (fused: both unsplit, expert_sync, stream_k's pipeline depth)."""
-    unsplit = replace(cfg, splits=(1, 1), stream_k=False, expert_sync=True, fused=True)
-    return with_splits(unsplit, (1, 1), hidden, inter)

@@ -156,12 +156,9 @@ def sig_words(mode: str, cfg: Sm90Config) -> int:
 class GroupedGemmSm90:
     """One compiled variant: mode 'w1' or 'w2', weight rows M, reduction K, config."""
 
-    def __init__(self, mode: str, m: int, k: int, cfg: Sm90Config, fused: bool = False):
-        """fused: a phase of kernel_fused's one launch (stream_k in either mode; the W2 phase reads the ring acquire
-        the W1 phase left in shared memory)."""
+    def __init__(self, mode: str, m: int, k: int, cfg: Sm90Config):
         if mode not in ("w1", "w2"):
             raise ValueError(f"mode must be 'w1' or 'w2', got {mode!r}")
-        self.fused = fused
         self.is_w1 = mode == "w1"
         self.m, self.k, self.cfg = m, k, cfg
         self.n = cfg.n_tile
@@ -175,8 +172,7 @@ class GroupedGemmSm90:
         self.subs = 4 // self.wgs  # subtiles per warpgroup
         self.threads = 128 * self.wgs
         self.expert_sync = cfg.ring and cfg.expert_sync  # W1_DONE tags per expert instead of W2's grid-wide wait
-        # W1 (or a phase of the fused launch): a grid of `ctas` CTAs over equal window ranges
-        self.stream_k = (cfg.stream_k and self.is_w1) or fused
+        self.stream_k = cfg.stream_k and self.is_w1  # W1: a grid of `ctas` CTAs over equal window ranges
         self.clamped = cfg.activation == "swiglu_clamped"  # (gpt-oss) W1's clamped SwiGLU
         self.bias = cfg.bias  # W1 + b13, W2 + route_w * b2 (addresses: sig[8], sig[9])
 
@@ -201,8 +197,43 @@ class GroupedGemmSm90:
         first: Int32,
         stream: cuda.CUstream,
     ):
-        tiled_mma, b_smem_staged, tma_atom, tma_x = self.operands(x)
-        self.shared = self.shared_struct(b_smem_staged, self.windows)
+        f8 = cutlass.Float8E4M3FN
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            f8,
+            f8,
+            warpgroup.OperandMajorMode.K,
+            warpgroup.OperandMajorMode.K,
+            Float32,
+            (1, 1, 1),
+            (64, self.n),
+            warpgroup.OperandSource.RMEM,
+        )
+        b_layout = utils.LayoutEnum.from_tensor(x)
+        b_smem_staged = sm90_utils.make_smem_layout_b(b_layout, (64, self.n, WINDOW_K), f8, self.stages)
+        b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
+        tma_atom, tma_x = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), x, b_smem_one, (self.n, WINDOW_K)
+        )
+
+        part_words = (self.splits - 1) * self.n * TILE_M if self.splits > 1 else 4  # the tile's 256 x N per split
+
+        @cute.struct
+        class Shared:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            lut: cute.struct.MemRange[Int32, 32]
+            flag: cute.struct.MemRange[Int32, 8]
+            red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
+            ssx: cute.struct.MemRange[Float32, self.windows * self.n]
+            # stream_k: the CTA's first SK_TABLE tiles (window record base, first row, expert, N tile, M tile)
+            skt: cute.struct.MemRange[Int32, SK_TABLE * 5 if self.stream_k else 1]
+            sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
+            # each stage's window of weights [8 fragments][128 threads][16 B] and scale records [256]
+            sW: cute.struct.Align[cute.struct.MemRange[Int32, WINDOW_WEIGHT_BYTES // 4 * self.stages], 128]
+            sS: cute.struct.Align[cute.struct.MemRange[Int32, WINDOW_SCALE_BYTES // 4 * self.stages], 16]
+            # K splits: partial accumulators the cluster's other CTAs push to the leader, [split - 1][i][thread]
+            part: cute.struct.Align[cute.struct.MemRange[Float32, part_words], 16]
+
+        self.shared = Shared
         self.kernel(
             wq,
             ws,
@@ -228,55 +259,11 @@ class GroupedGemmSm90:
             block=[self.threads, 1, 1],
             cluster=[1, 1, self.splits] if self.splits > 1 else None,
             use_pdl=self.cfg.pdl,
-            smem=self.shared.size_in_bytes(),
+            smem=Shared.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=self.cfg.occupancy,  # occupancy 2 caps the registers at 128 (65536 / (2 * 256))
             preferred_smem_carveout=100,  # (also keeps the DSL from querying a device at compile time)
         )
-
-    def operands(self, x: cute.Tensor):
-        """(tiled MMA, staged shared layout of the token boxes, TMA atom and tensor of the rows x) of a launch."""
-        f8 = cutlass.Float8E4M3FN
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            f8,
-            f8,
-            warpgroup.OperandMajorMode.K,
-            warpgroup.OperandMajorMode.K,
-            Float32,
-            (1, 1, 1),
-            (64, self.n),
-            warpgroup.OperandSource.RMEM,
-        )
-        b_layout = utils.LayoutEnum.from_tensor(x)
-        b_smem_staged = sm90_utils.make_smem_layout_b(b_layout, (64, self.n, WINDOW_K), f8, self.stages)
-        b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
-        tma_atom, tma_x = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), x, b_smem_one, (self.n, WINDOW_K)
-        )
-        return tiled_mma, b_smem_staged, tma_atom, tma_x
-
-    def shared_struct(self, b_smem_staged, windows: int):
-        """The CTA's shared memory (a struct type) for tiles of up to `windows` K windows."""
-        f8 = cutlass.Float8E4M3FN
-        part_words = (self.splits - 1) * self.n * TILE_M if self.splits > 1 else 4  # the tile's 256 x N per split
-
-        @cute.struct
-        class Shared:
-            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            lut: cute.struct.MemRange[Int32, 32]
-            flag: cute.struct.MemRange[Int32, 8]
-            red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
-            ssx: cute.struct.MemRange[Float32, windows * self.n]
-            # stream_k: the CTA's first SK_TABLE tiles (window record base, first row, expert, N tile, M tile)
-            skt: cute.struct.MemRange[Int32, SK_TABLE * 5 if self.stream_k else 1]
-            sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
-            # each stage's window of weights [8 fragments][128 threads][16 B] and scale records [256]
-            sW: cute.struct.Align[cute.struct.MemRange[Int32, WINDOW_WEIGHT_BYTES // 4 * self.stages], 128]
-            sS: cute.struct.Align[cute.struct.MemRange[Int32, WINDOW_SCALE_BYTES // 4 * self.stages], 16]
-            # K splits: partial accumulators the cluster's other CTAs push to the leader, [split - 1][i][thread]
-            part: cute.struct.Align[cute.struct.MemRange[Float32, part_words], 16]
-
-        return Shared
 
     @cute.kernel
     def kernel(
@@ -356,15 +343,8 @@ class GroupedGemmSm90:
             # programmatic dependent launch: W1's rows, scales and counts may come from the kernel just before it
             # (ring mode acquires them by their tags instead)
             cute.arch.griddepcontrol_wait()
-        # ring mode: this call holds the workspace and dispatch published the ring's layout (sflag[0]: ok, [1]: g;
-        # the fused launch's W2 phase reads what its W1 phase acquired there, after the barrier between them)
-        ok = Int32(0)
-        gen = Int32(0)
-        if cutlass.const_expr(self.fused and not self.is_w1):
-            ok = sflag[0]
-            gen = sflag[1]
-        else:
-            ok, gen = self.acquire_ring(sig, ticket, timeout_ns, sflag, tidx, ks)
+        # ring mode: this call holds the workspace and dispatch published the ring's layout (sflag[0]: ok, [1]: g)
+        ok, gen = self.acquire_ring(sig, ticket, timeout_ns, sflag, tidx, ks)
         # the CTA's work as pieces (see work_piece): the N tiles of one (expert, M tile), or with stream_k a range of
         # the windows of all tiles; the loads of the pieces in order (see load_coords)
         e = Int32(0)
@@ -496,12 +476,7 @@ class GroupedGemmSm90:
                     self.produce_weights(pipe, pre, rec, w_base, s_base, w_dst, s_dst)
                     pre.advance()
         if cutlass.const_expr(self.expert_sync and not self.is_w1):
-            if cutlass.const_expr(self.stream_k):
-                for p in cutlass.range(npieces, unroll=1):  # every expert the CTA's pieces read
-                    pe, _, _, _, _, _ = self.work_piece(cnt, p, e, mt, u0, u1, num_experts, lane, skt)
-                    self.acquire_expert(sig, gen, timeout_ns, pe, cnt[pe], tidx)
-            else:
-                self.acquire_expert(sig, gen, timeout_ns, e, count, tidx)
+            self.acquire_expert(sig, gen, timeout_ns, e, count, tidx)
         elif cutlass.const_expr(self.cfg.pdl and not self.is_w1):
             cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(self.cfg.pdl and not self.is_w1):

@@ -111,11 +111,12 @@ def _launch(
 
     dev = x_rows.device
     e = packed.experts
-    _check_rows(mode, packed, x_rows, offsets, counts)
+    if counts.numel() != e or offsets.numel() != e + 1:
+        raise ValueError(f"sm90 {mode}: row layout for {counts.numel()} experts does not match {e} prepacked experts")
+    if x_rows.dim() != 2 or x_rows.shape[1] != packed.k or x_rows.dtype != torch.uint8:
+        raise ValueError(f"sm90 {mode}: activation rows {tuple(x_rows.shape)} {x_rows.dtype} != (R, {packed.k}) uint8")
     if cfg.ring != (ring is not None):
         raise ValueError(f"sm90 {mode}: a RingSync goes with cfg.ring and only with it")
-    if cfg.fused:
-        raise ValueError(f"sm90 {mode}: cfg.fused runs W1 and W2 as one launch (launch_fused)")
     cutlass = cutlass_modules()[0]
     i64 = cutlass.Int64
     stream_k = cfg.stream_k and mode == "w1"
@@ -143,8 +144,11 @@ def _launch(
     sig += tuple(i64(t.data_ptr()) for t in extra)
     assert len(sig) == sig_words(mode, cfg)
     kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
+    wq = packed.data.view(torch.int32).view(-1, 128, 4)
+    ws = packed.scales.view(-1, 256)
     kern(
-        *_weight_operands(packed),
+        as_cute(wq, 0, 16),
+        as_cute(ws, 0, 16),
         as_cute(x_rows, 0, 16, cutlass.Float8E4M3FN),
         as_cute(sxT, 1, 16),
         as_cute(offsets, 0, 4),
@@ -217,108 +221,6 @@ def launch_w2(
     extra = _epilogue_operands("w2", cfg, operands, hq.device)
     ep = (as_cute(dst, 0, 4), as_cute(src, 0, 4), as_cute(comb, 0, 8))
     _launch("w2", packed, hq, hsT, offsets, counts, ep, cfg, ring, None, None, extra, grid_rows, first_expert)
-
-
-def launch_fused(
-    w13: PackedSm90,
-    w2: PackedSm90,
-    x_rows: torch.Tensor,
-    sxT: torch.Tensor,
-    route_w: torch.Tensor,
-    offsets: torch.Tensor,
-    counts: torch.Tensor,
-    hq: torch.Tensor,
-    hsT: torch.Tensor,
-    dst: torch.Tensor,
-    src: torch.Tensor,
-    comb: torch.Tensor,
-    cfg: Sm90Config,
-    ring: RingSync,
-    scratch: StreamKScratch,
-    scratch2: StreamKScratch,
-    ctas: int,
-    b13: torch.Tensor | None = None,
-    b2: torch.Tensor | None = None,
-) -> None:
-    """W1 then W2 as one persistent launch (cfg.fused, ring mode; kernel_fused) of `ctas` CTAs, at most the CTA slots
-    of the partition it runs on (the W2 phase waits for W1 tiles of other CTAs: all must be resident at once).
-    Operands as launch_w1 then launch_w2 (W2's route_w for cfg.bias is W1's); scratch / scratch2: the W1 and W2
-    phases' StreamKScratch."""
-    import cuda.bindings.driver as cuda
-
-    from gcmoe_core.cutedsl import cutlass_modules, target_arch
-
-    from .kernel_fused import compiled_fused, fused_sig_words
-
-    if not cfg.fused or ring is None:
-        raise ValueError("sm90 fused: needs cfg.fused and a RingSync (ring mode)")
-    dev, e = x_rows.device, w13.experts
-    rows, inter = x_rows.shape[0], w13.m // 2
-    if w2.experts != e or w2.k != inter or w2.m != w13.k:
-        raise ValueError(f"sm90 fused: W2 [{w2.experts}, {w2.m}, {w2.k}] does not follow W1 [{e}, {w13.m}, {w13.k}]")
-    _check_rows("w1", w13, x_rows, offsets, counts)
-    if hq.shape != (rows, inter) or hq.dtype != torch.uint8 or hsT.shape != (w13.m // TILE_M, rows):
-        raise ValueError(f"sm90 fused: hq / hsT must be uint8 [{rows}, {inter}] / fp32 [{w13.m // TILE_M}, {rows}]")
-    if src.dim() != 2 or src.shape[1] != 3 or comb.dtype != torch.int64 or dst.dtype != torch.int32:
-        raise ValueError("sm90 fused: dst int32 [R], src int32 [R, 3], comb int64 [P]")
-    for sk in (scratch, scratch2):
-        sk.check(cfg)
-        if not 1 <= ctas <= sk.ctas:
-            raise ValueError(f"sm90 fused: {ctas} CTAs, the scratch holds 1..{sk.ctas}")
-    if scratch.partials.data_ptr() == scratch2.partials.data_ptr():
-        raise ValueError("sm90 fused: the W1 and W2 phases need a StreamKScratch each")
-    extra = _epilogue_operands("w1", cfg, ((b13, "bias", (e, w13.m)),), dev)
-    extra += _epilogue_operands(
-        "w2", cfg, ((b2, "bias", (e, w2.m)), (route_w if b2 is not None else None, "route_w", (rows,))), dev
-    )
-    cutlass = cutlass_modules()[0]
-    i64 = cutlass.Int64
-    words = (ring.inuse, ring.cgen, ring.offs, ring.err, ring.l1_full, ring.w1_done)
-    words += (scratch.partials.data_ptr(), scratch.counters.data_ptr())
-    words += (scratch2.partials.data_ptr(), scratch2.counters.data_ptr())
-    sig = tuple(i64(a) for a in words) + tuple(i64(t.data_ptr()) for t in extra)
-    assert len(sig) == fused_sig_words(cfg)
-    kern = compiled_fused(w13.k, inter, cfg, target_arch(dev.index))
-    f8 = cutlass.Float8E4M3FN
-    kern(
-        *_weight_operands(w13),
-        as_cute(x_rows, 0, 16, f8),
-        as_cute(sxT, 1, 16),
-        *_weight_operands(w2),
-        as_cute(hq, 0, 16, f8),
-        as_cute(hsT, 1, 16),
-        as_cute(offsets, 0, 4),
-        as_cute(counts, 0, 4),
-        as_cute(_lut(dev), None, 16),
-        as_cute(route_w, 0, 4),
-        as_cute(hq, 0, 16),
-        as_cute(hsT, 1, 4),
-        as_cute(dst, 0, 4),
-        as_cute(src, 0, 4),
-        as_cute(comb, 0, 8),
-        sig,
-        ring.ticket,
-        i64(ring.timeout_ns),
-        e,
-        ctas,
-        cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream),
-    )
-
-
-def _check_rows(mode: str, packed: PackedSm90, x_rows: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor):
-    if counts.numel() != packed.experts or offsets.numel() != packed.experts + 1:
-        raise ValueError(
-            f"sm90 {mode}: row layout for {counts.numel()} experts does not match {packed.experts} prepacked experts"
-        )
-    if x_rows.dim() != 2 or x_rows.shape[1] != packed.k or x_rows.dtype != torch.uint8:
-        raise ValueError(f"sm90 {mode}: activation rows {tuple(x_rows.shape)} {x_rows.dtype} != (R, {packed.k}) uint8")
-
-
-def _weight_operands(packed: PackedSm90):
-    """(wq int32 [E*MT*W*8, 128, 4], ws int32 [E*MT*W, 256]) of prepacked weights as the kernels take them."""
-    wq = packed.data.view(torch.int32).view(-1, 128, 4)
-    ws = packed.scales.view(-1, 256)
-    return as_cute(wq, 0, 16), as_cute(ws, 0, 16)
 
 
 def _epilogue_operands(mode: str, cfg: Sm90Config, operands, device) -> tuple[torch.Tensor, ...]:

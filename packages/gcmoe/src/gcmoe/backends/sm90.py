@@ -293,18 +293,13 @@ class Lane:
             for q, ptr in enumerate(self.ws.combine_ptrs):  # (no host-to-device copy: legal under a capture too)
                 self.comb[q].fill_(ptr)
             self.ring = (v.ring_x, v.ring_sxT, v.ring_w, v.ring_offsets, v.ring_counts, v.ring_dst, v.ring_src)
-            # W1's stream_k scratch (partials + arrival counters) where a bucket's kernel configuration uses it, and
-            # the fused launch's second one for its W2 phase
-            kcfgs = list(map(plan.kernel_config, _buckets(cfg.max_tokens_per_rank)))
-            sk_tiles = [c.n_tile for c in kcfgs if c.stream_k or c.fused]
-            fused_tiles = [c.n_tile for c in kcfgs if c.fused]
-            self.sk_scratch = self.sk_scratch2 = None
+            # W1's stream_k scratch (partials + arrival counters) where a bucket's kernel configuration uses it
+            sk_tiles = [c.n_tile for c in map(plan.kernel_config, _buckets(cfg.max_tokens_per_rank)) if c.stream_k]
+            self.sk_scratch = None
             if sk_tiles:
                 from gcmoe_gemm_sm90.ops import StreamKScratch
 
                 self.sk_scratch = StreamKScratch.make(dev, max(sk_tiles))
-                if fused_tiles:
-                    self.sk_scratch2 = StreamKScratch.make(dev, max(fused_tiles))
             # each eager call's (x, ids, weights, out, T, ids-are-int64): written to a pinned staging slot, copied
             # (async, on the call's stream) into the device argument block the bucket graphs' publish reads
             self.slots = torch.zeros(NSLOTS, SLOT_WORDS, dtype=torch.int64, pin_memory=True)
@@ -376,22 +371,15 @@ class Lane:
 
     def _gemms(self, kcfg, ticket: int, comm_sms: int = 0, signals: int | None = None, rows: int | None = None):
         """W1 then W2 on this lane's ring (ring mode), on the current stream; stream_k W1 over two CTAs per SM of the
-        compute partition (all SMs but comm_sms); with kcfg.fused both in one launch over every CTA slot of it.
-        signals: their signal words (default: the workspace's). rows: their grid rows (Sm90Plan.grid_rows; default:
-        one per ring expert)."""
-        from gcmoe_gemm_sm90.ops import launch_fused, launch_w1, launch_w2
+        compute partition (all SMs but comm_sms). signals: their signal words (default: the workspace's). rows: their
+        grid rows (Sm90Plan.grid_rows; default: one per ring expert)."""
+        from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
 
         x, sxT, rw, offs, cnt, dst, src = self.ring
         sync = self._ring_sync(ticket, signals)
         moe = self.plan.moe
         sk_ctas = 2 * (self.plan.sm_count - comm_sms)
         b13, b2 = moe.w13_bias, moe.w2_bias  # (gpt-oss) W2 adds the ring rows' route_w times b2
-        if kcfg.fused:
-            slots = kcfg.occupancy * (self.plan.sm_count - comm_sms)
-            scratch = (self.sk_scratch, self.sk_scratch2)
-            rows_ops = (x, sxT, rw, offs, cnt, self.hq, self.hsT, dst, src, self.comb)
-            launch_fused(moe.w13, moe.w2, *rows_ops, kcfg, sync, *scratch, slots, b13, b2)
-            return
         rw2 = rw if b2 is not None else None
         grid = dict(grid_rows=rows, first_expert=self.plan.first_row_expert())
         launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.sk_scratch, sk_ctas, b13, **grid)
