@@ -384,13 +384,15 @@ class GroupedGemmSm90:
             if ok == 0:
                 e_found = Int32(-1)
             elif cutlass.const_expr(self.cfg.active_first):
-                e_found, with_rows = self.active_expert(cnt, ey, num_experts, first, lane)
+                # (its rows and first row come with it: no second round trip)
+                e_found, with_rows, count, row_base = self.active_expert(cnt, offs, ey, num_experts, first, lane)
                 if ey + rows < with_rows:  # an expert with rows beyond the grid's rows
                     more = Int32(1)
             e = cutlass.max(e_found, 0)
-            if e_found >= 0:
-                count = cnt[e]
-                row_base = offs[e]
+            if cutlass.const_expr(not self.cfg.active_first):
+                if e_found >= 0:
+                    count = cnt[e]
+                    row_base = offs[e]
             npieces = (count + n_tile - 1) // n_tile
             total = npieces * nw
         if cutlass.const_expr(self.cfg.pdl and self.is_w1):
@@ -636,11 +638,22 @@ class GroupedGemmSm90:
             if tidx == 0 and ks == 0:
                 good = Int32(0)
                 g = Int32(0)
-                if ld_u32(err) == 0:
-                    held = wait_until_eq(inuse, ticket, timeout_ns, "gpu", err)
+                # two global round trips where the words are already set (a CTA launched after dispatch ranked the
+                # routing: every W2 CTA and W1's later ones): ERR and the INUSE acquire together, then CGEN and OFFS
+                # together, made an acquire by the fence; a word not yet set is waited for as before
+                failed = ld_relaxed_u32(err, "gpu")
+                held = ld_acquire_u32(inuse, "gpu")
+                if failed == 0:
+                    if held != ticket:
+                        held = wait_until_eq(inuse, ticket, timeout_ns, "gpu", err)
                     if held == ticket:
-                        g = ld_acquire_u32(cgen, "gpu") + 1
-                        seen = wait_until_eq(offs_tag, g, timeout_ns, "gpu", err)
+                        # (after the INUSE acquire: CGEN is this call's; OFFS, if it equals g, is this call's too)
+                        c = ld_relaxed_u32(cgen, "gpu")
+                        seen = ld_relaxed_u32(offs_tag, "gpu")
+                        fence_gpu()  # the acquire of both (a fence after strong loads)
+                        g = c + 1
+                        if seen != g:
+                            seen = wait_until_eq(offs_tag, g, timeout_ns, "gpu", err)
                         if seen == g:
                             good = Int32(1)
                         else:
@@ -709,23 +722,34 @@ class GroupedGemmSm90:
         cute.arch.fence_proxy("async.global")
 
     @cute.jit
-    def active_expert(self, cnt: cute.Tensor, j: Int32, num_experts: Int32, first: Int32, lane: Int32):
+    def active_expert(
+        self, cnt: cute.Tensor, offs: cute.Tensor, j: Int32, num_experts: Int32, first: Int32, lane: Int32
+    ):
         """(the j-th (from 0) expert with rows in the order first, first + 1, ..., E - 1, 0, ..., first - 1, or -1
-        where fewer than j + 1 have rows; how many have rows). Every warp computes it on its own: a ballot over the
-        counts of 32 experts per step."""
+        where fewer than j + 1 have rows; how many have rows; that expert's rows and first row, 0 / 0 for -1). Every
+        warp computes it on its own: a ballot over the counts of 32 experts per step (their first rows loaded
+        beside them)."""
         found = Int32(-1)
         seen = Int32(0)
+        count = Int32(0)
+        row_base = Int32(0)
         for base in cutlass.range(0, num_experts, 32, unroll=1):
             c = Int32(0)
+            o = Int32(0)
             if base + lane < num_experts:
-                c = cnt[(base + lane + first) % num_experts]
+                x = (base + lane + first) % num_experts
+                c = cnt[x]
+                o = offs[x]
             active = cute.arch.vote_ballot_sync(c > 0)
             below = Int32(cute.arch.popc(active & cute.arch.lanemask_lt()))
             hit = cute.arch.vote_ballot_sync((c > 0) & (seen + below == j))
             if hit != 0:
-                found = (base + 31 - Int32(cute.arch.clz(hit)) + first) % num_experts
+                src = 31 - Int32(cute.arch.clz(hit))
+                found = (base + src + first) % num_experts
+                count = cute.arch.shuffle_sync(c, src)
+                row_base = cute.arch.shuffle_sync(o, src)
             seen = seen + Int32(cute.arch.popc(active))
-        return found, seen
+        return found, seen, count, row_base
 
     @cute.jit
     def reduce_splits(
