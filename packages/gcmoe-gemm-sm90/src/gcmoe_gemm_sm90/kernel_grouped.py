@@ -627,9 +627,11 @@ class GroupedGemmSm90:
     def acquire_ring(self, sig: tuple, ticket: Int32, timeout_ns: Int64, sflag: cute.Tensor, tidx: Int32, ks: Int32):
         """Ring mode: thread 0 waits for INUSE == ticket (this call holds the workspace), reads g = CGEN + 1 and waits
         for OFFS == g (the ring's offsets and counts of call g are written); every wait bounded, ended by a non-zero
-        ERR, and recorded there on expiry. Returns (ok, g) to every thread. With K splits the cluster's leader
-        decides for every CTA of the cluster (read from its shared memory after a cluster barrier): CTAs of one
-        cluster must agree on whether they work, or the split reduction's cluster barriers would not match.
+        ERR, and recorded there on expiry. Where the words are already set, two round trips (ERR beside the INUSE
+        acquire, CGEN beside OFFS under one fence): the layer 1.01x faster at T = 1 (H200, 2026-12-01,
+        docs/benchmarks/cta-start-h200-2026-12-01.md). Returns (ok, g) to every thread. With K splits the cluster's
+        leader decides for every CTA of the cluster (read from its shared memory after a cluster barrier): CTAs of
+        one cluster must agree on whether they work, or the split reduction's cluster barriers would not match.
         Without ring mode: (1, 0)."""
         ok = Int32(1)
         gen = Int32(0)
