@@ -122,7 +122,7 @@ def test_sm90_grid_rows_bound_every_ring_layout_and_lead_with_the_shared_experts
 
     from gcmoe.backends.sm90 import Sm90Plan, ring_spec
     from gcmoe_comm.ring import dispatch_emulated
-    from gcmoe_gemm_sm90.config import Sm90Config
+    from gcmoe_gemm_sm90.config import TILE_M, Sm90Config
 
     if model == "tiny":
         cfg = MoEConfig(256, 128, 16, 4, num_shared_experts=0, max_tokens_per_rank=16)
@@ -141,7 +141,8 @@ def test_sm90_grid_rows_bound_every_ring_layout_and_lead_with_the_shared_experts
                 rank = SimpleNamespace(spec=replace(spec, ranks=ranks), cfg=cfg, sm_count=132)
                 rows, own = Sm90Plan.grid_rows(rank, bucket, kc), Sm90Plan.grid_rows(plan, bucket, kc)
                 every = min(spec.ring_experts, min(spec.local_experts, ranks * bucket * cfg.top_k) + spec.shared)
-                per_row = max(2 * cfg.intermediate_size // 256 * kc.splits[0], cfg.hidden_size // 256 * kc.splits[1])
+                w1_tiles, w2_tiles = 2 * cfg.intermediate_size // TILE_M, cfg.hidden_size // TILE_M
+                per_row = max(w1_tiles * kc.splits[0], w2_tiles * kc.splits[1])
                 assert rows == min(every, max(own, kc.occupancy * 132 // per_row)), (ranks, bucket, kc)
                 assert own <= rows <= every
                 assert Sm90Plan.grid_rows(rank, bucket, kc, comm_sms=16) <= rows  # fewer compute SMs, no more rows
