@@ -22,9 +22,10 @@ in (-1: none)), built on the host (`queue`):
     two_launch   W1's units as one launch, then W2's as a second on the same stream (today's structure, as a
                  baseline; without PDL, so W2's CTAs start only once W1's have all exited, a little later than the
                  layer's W2)
-A unit is `unit` windows of one tile (the tile's windows split in chunks; 64 or more: whole tiles). Two kernels: the
-producer waits for a W2 unit's expert before copying its windows; `_prefill`: the producer streams them at once (the
-stages fill ahead, as the real W2 copies its weights before its wait) and the consumers wait instead.
+A unit is `unit` windows of one tile (the tile's windows split in chunks; `unit` >= a tile's windows: whole tiles).
+Two kernels: the producer waits for a W2 unit's expert before copying its windows; `_prefill`: the producer streams
+them at once (the stages fill ahead, as the real W2 copies its weights before its wait) and the consumers wait
+instead.
 
     python tools/gpu/schedule_probe.py [--units 2 4 8] [--iters 25] [--flush write read] [--out FILE.json]
 """
