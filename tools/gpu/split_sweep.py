@@ -16,8 +16,6 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
     --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
-    --sweep early_weights  W1's first weight stages streamed before its waits (where a grid row's expert is known
-                         without the row layout: active_first off) vs after them (the same where it is on)
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
                                     [--l2-flush read] [--out DIR]
@@ -42,17 +40,7 @@ from gcmoe_gemm_sm90.ops import MoESm90
 ap = argparse.ArgumentParser()
 ap.add_argument(
     "--sweep",
-    choices=(
-        "splits",
-        "expert_sync",
-        "stream_k",
-        "grid",
-        "first",
-        "stages",
-        "evict_first",
-        "l2_prefetch",
-        "early_weights",
-    ),
+    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch"),
     default="splits",
 )
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
@@ -93,8 +81,6 @@ for model in args.models:
             variants = {"chosen": chosen, "flipped": replace(chosen, evict_first=not chosen.evict_first)}
         elif args.sweep == "first":
             variants = {"chosen": chosen, "shared_last": chosen}
-        elif args.sweep == "early_weights":
-            variants = {"chosen": chosen, "late_weights": replace(chosen, early_weights=False)}
         elif args.sweep == "l2_prefetch":
             variants = {"chosen": chosen, "no_prefetch": chosen}
         elif args.sweep == "grid":

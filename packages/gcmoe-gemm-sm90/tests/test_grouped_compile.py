@@ -64,7 +64,7 @@ VARIANTS += GPT_OSS_VARIANTS
         else f"n{v.n_tile}s{v.stages}p{v.prefetch}o{v.occupancy}sp{v.splits[0]}{v.splits[1]}"
         f"{'' if v.warpgroups == 2 else 'wg4'}{'ring' if v.ring else ''}{'sk' if v.stream_k else ''}"
         f"{'clamp' if v.activation == 'swiglu_clamped' else ''}{'bias' if v.bias else ''}"
-        f"{'ef' if v.evict_first else ''}{'' if v.active_first else 'io'}"
+        f"{'ef' if v.evict_first else ''}"
     ),
 )
 def test_grouped_kernel_sass(mode, m, k, cfg):
@@ -87,15 +87,6 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
         assert any(o.startswith("CS2R") for o in ops) or "S2UR" in ops
         if cfg.pdl and mode == "w1":  # the ring's tags, not the grid dependency, order W1's reads
             assert "griddepcontrol.wait" not in kern.ptx and "griddepcontrol.launch_dependents" in kern.ptx
-    # early weights (W1, grid row y runs expert y): the first weight stages are bulk-copied before the first wait for
-    # the call (the ring's ERR / INUSE loads, or the grid dependency on prepared rows), and a CTA without rows
-    # completes their activation bytes by hand; nowhere else
-    early = cfg.early_weights and mode == "w1" and not cfg.active_first and not cfg.stream_k
-    ptx = kern.ptx
-    assert ("mbarrier.complete_tx" in ptx) == early
-    if early:
-        first_wait = min(ptx.find(w) for w in ("ld.relaxed.gpu", "ld.acquire.gpu", "griddepcontrol.wait") if w in ptx)
-        assert ptx.index("cp.async.bulk.shared::cluster.global") < first_wait
     if mode == "w2":  # bf16 stores at addresses from the combine peer table, not through a tensor of the output
         assert any(o.startswith("STG.E.U16") for o in ops)
     # the WGMMAs are pipelined: one wait per window (8 QGMMAs, 4 with 4 warpgroups) and the drain, not one after each

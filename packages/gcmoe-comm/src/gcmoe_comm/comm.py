@@ -14,9 +14,9 @@ The bound on each wait is timeout_ms (GCMOE_COMM_TIMEOUT_MS by default).
 Grids: publish a warp per 128-value group; dispatch a CTA per ring block the call can fill (dispatch_grid), finalize
 a thread per 16 output bytes (finalize_grid), at most one dispatch CTA and FINALIZE_CTAS_PER_SM finalize CTAs per SM
 unless given (dispatch_ctas / finalize_ctas fix them). Dispatch and finalize are programmatic dependent launches:
-dispatch launches while publish runs, lets the next kernel launch at once (the layer's W1, which reads nothing of the
-call before acquiring the ring by its tags, and streams its first weights meanwhile) and waits for publish
-(griddepcontrol.wait) before reading anything; finalize launches in W2's tail and waits for W2 the same way.
+dispatch launches while publish runs and waits for it (griddepcontrol.wait) before reading anything, then lets the
+next kernel launch (the layer's W1, which acquires the ring by its tags); finalize launches in W2's tail and waits
+for W2 the same way.
 
 Tickets: every call takes the workspace under a ticket (a process-wide unique int the publish and finalize of one
 call share; a captured call keeps its ticket in every replay — CUDA never runs two launches of one graph at once).

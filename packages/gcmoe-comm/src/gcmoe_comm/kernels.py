@@ -13,9 +13,7 @@ One call on rank r (generation g = the call count since the last recover), each 
                mirrors the calls consumed (SEQ) and BAD to the host's status words)
                (ready: the READY signal alone, for buffers filled elsewhere)
     dispatch   C CTAs (the launch's grid; comm.CommRank.dispatch_grid), a programmatic dependent launch after publish:
-                 0. griddepcontrol.launch_dependents at once (W1 launches while publish and the ranking run and
-                    streams its first weights; it reads nothing of the call before the tags below), then
-                    griddepcontrol.wait (publish has finished) before anything is read
+                 0. griddepcontrol.wait (publish has finished) before anything is read
                  1. thread q < P acquires peer q's READY == g (bounded), checks its GEN == g (written before
                     READY by the same publish: a READY = g beside another GEN is a forged or corrupted tag, recorded
                     like an expired wait with GEN as the value seen), reads its NTOK
@@ -27,7 +25,7 @@ One call on rank r (generation g = the call count since the last recover), each 
                     gcmoe_core.multirank); CTA 0 writes offsets and counts
                  4. each warp ranks its chunk 32 entries at a time (match.any + lanemask_lt): deterministic row of
                     every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA b mod C); then
-                    the CTA counts itself in RANKED (acq_rel);
+                    the CTA lets W1 launch (griddepcontrol.launch_dependents) and counts itself in RANKED (acq_rel);
                     the last CTA resets it and releases (gpu) OFFS = g — what W1 and W2 acquire before reading the
                     offsets. Past this point a CTA reads published buffers only for blocks whose L1_FULL tag W1
                     acquires: OFFS and the tags W1 acquires imply every read of the peers' buffers done
@@ -416,11 +414,6 @@ class CommKernels:
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         C, _, _ = cute.arch.grid_dim()
-        # W1 (PDL) may launch at once: every dispatch CTA is resident once all have passed this point, so W1's CTAs
-        # take only SM slots dispatch does not need, and W1 reads nothing of the call before acquiring OFFS and each
-        # block's L1_FULL (released after every read of the routing and of the rows: steps 4 and 5); its CTAs stream
-        # their first weight stages meanwhile (gcmoe-gemm-sm90's early weights)
-        cute.arch.griddepcontrol_launch_dependents()
         # PDL: launched while publish runs; nothing of the call is read before publish has finished (GEN included)
         cute.arch.griddepcontrol_wait()
         warp = tid // 32
@@ -562,8 +555,10 @@ class CommKernels:
                     cute.arch.sync_warp()
                 start = start + n
             cute.arch.sync_threads()
-            # (W1 acquires OFFS and each block's L1_FULL: a CTA past this point reads the peers' rows only for blocks
-            # whose tags W1 acquires, so a finished call leaves no dispatch CTA still reading published buffers)
+            # W1 (PDL) may launch once every CTA is here: it acquires OFFS and each block's L1_FULL, so it streams
+            # weights beside the row pulls below; a CTA past this point reads the peers' rows only for blocks whose
+            # tags W1 acquires, so a finished call leaves no dispatch CTA still reading published buffers
+            cute.arch.griddepcontrol_launch_dependents()
             if tid == 0:
                 # the ring's shape for call g (what W1 and W2 acquire before reading it), released by the last CTA
                 # past its reads of the routing: OFFS = g also says no CTA of this dispatch still reads the peers'

@@ -9,8 +9,6 @@ fmin_nan / fmax_nan(a, b)      min / max that return NaN when either operand is 
 bulk_copy_g2s(dst, src, n, mbar)  n bytes global -> this CTA's shared memory by the bulk-copy engine (no tensor map),
                                completing n bytes of transaction on the mbarrier at shared address mbar;
                                evict_first=True: the lines it brings into L2 are the first L2 evicts (data read once)
-mbarrier_complete_tx(mbar, n)  complete n bytes of transaction on the mbarrier at shared address mbar with no copy
-                               (a stage armed for bytes that will never be loaded, so its phase can still complete)
 bulk_prefetch_l2(src, n)        n bytes of global memory from src into L2 (fire and forget: nothing waits for it)
 st_cluster_f32(addr, rank, v)  store v at shared address addr of CTA `rank` of this cluster (distributed shared memory)
 ld_cluster_u32(addr, rank)     the 32-bit word at shared address addr of CTA `rank` of this cluster
@@ -103,15 +101,6 @@ def bulk_copy_g2s(smem_dst, gmem_src, nbytes, mbar, evict_first=False, *, loc=No
         )
     args = [Int32(smem_dst), cutlass.Int64(gmem_src), Int32(nbytes), Int32(mbar)]
     inline_ptx(None, args, text, "r,l,r,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def mbarrier_complete_tx(mbar, nbytes, *, loc=None, ip=None):
-    """mbarrier.complete_tx of nbytes on the mbarrier at shared address mbar (this CTA): the tx-count drops as if
-    nbytes had arrived, so a phase armed (arrive.expect_tx) for loads that are then not issued can complete once the
-    issued ones land. One thread issues it."""
-    text = "mbarrier.complete_tx.relaxed.cta.shared::cta.b64 [$0], $1;"
-    inline_ptx(None, [Int32(mbar), Int32(nbytes)], text, "r,r,~{memory}", loc, ip)
 
 
 @dsl_user_op

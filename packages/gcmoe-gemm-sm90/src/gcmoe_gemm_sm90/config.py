@@ -41,11 +41,6 @@ bias       W1 adds b13 (fp32 [E, 2I], gate then up entries) to gate and up befor
            this is the routing weight times the biased expert output). Off (the default, as choose_config leaves both
            epilogue flags): the kernels compile to the code without them
 
-early_weights  W1 where a grid row's expert is known without the row layout (active_first off, no stream_k): each
-           CTA bulk-copies its first stages' weights before it waits for its producer or the ring's OFFS tag (the
-           weights are the layer's own, written by no kernel of the call), so W1 streams while dispatch still ranks
-           the routing; a CTA whose expert has no rows drains them (mbarrier complete_tx for the activation bytes)
-
 Measured and removed (git history and docs/benchmarks keep them): the v4 register weight stream, three CTAs per SM,
 the decode's shifts on the FMA pipe, the stage ablations and per-CTA trace stamps (sm90-grouped-v5 .. v7 records);
 the activation scales loaded from global memory per window (smem_scales=False): each N tile's scales of every window
@@ -96,7 +91,6 @@ class Sm90Config:
     swiglu_limit: float = 7.0
     bias: bool = False
     evict_first: bool = False  # the weight / scale bulk copies carry an L2 evict_first hint (read once)
-    early_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:

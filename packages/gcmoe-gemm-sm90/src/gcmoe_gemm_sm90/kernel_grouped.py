@@ -39,13 +39,10 @@ K splits (cfg.splits, a cluster of S CTAs along z): CTA ks streams windows [ks n
 their fp32 partial accumulators into the leader's shared memory (st.shared::cluster), one cluster barrier, the leader
 adds them in split order (deterministic) and runs the epilogue.
 PDL (cfg.pdl): W1 waits for its producer (griddepcontrol.wait) before reading anything; W2 bulk-copies its first
-stages' weights (which no earlier kernel writes) before waiting for W1, so its CTAs stream weights in W1's tail, and so
-does W1 before its own wait where a grid row's expert is known without the row layout (cfg.early_weights: active_first
-off, no stream_k; a CTA whose expert has no rows completes those stages by hand, mbarrier complete_tx, and lets them
-land before it exits). Both let their dependents launch right after their own wait (so a dependent may read what was
-written before its producer).
-In ring mode W1 does not wait for its producer at all (gcmoe-comm's dispatch, which lets W1 launch at its start; the
-last of its CTAs to rank the routing releases OFFS): what it reads from dispatch is behind the OFFS / L1_FULL
+stages' weights (which no earlier kernel writes) before waiting for W1, so its CTAs stream weights in W1's tail. Both
+let their dependents launch right after their own wait (so a dependent may read what was written before its producer).
+In ring mode W1 does not wait for its producer at all (gcmoe-comm's dispatch, which lets W1 launch once every CTA has
+ranked the routing; the last of them then releases OFFS): what it reads from dispatch is behind the OFFS / L1_FULL
 tags. W1 lets W2 launch once
 every W1 CTA has read its row layout, so a W1 CTA without rows touches nothing of the call afterwards and every other
 one is awaited by W2: a finished W2 grid leaves no W1 or dispatch CTA that can still read or write this call's
@@ -126,7 +123,6 @@ from gcmoe_core.kernel_helpers import (
     fmin_nan,
     fp8_pow2_exponent,
     ld_cluster_u32,
-    mbarrier_complete_tx,
     st_cluster_f32,
 )
 from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_W1
@@ -179,10 +175,6 @@ class GroupedGemmSm90:
         self.stream_k = cfg.stream_k and self.is_w1  # W1: a grid of `ctas` CTAs over equal window ranges
         self.clamped = cfg.activation == "swiglu_clamped"  # (gpt-oss) W1's clamped SwiGLU
         self.bias = cfg.bias  # W1 + b13, W2 + route_w * b2 (addresses: sig[8], sig[9])
-        self.b_bytes = self.n * WINDOW_K  # a stage's activation box (FP8)
-        # early weights (cfg.early_weights): W1 with the grid row's expert known before the row layout
-        self.early = cfg.early_weights and self.is_w1 and not cfg.active_first and not self.stream_k
-        self.early_loads = min(self.stages - 1, self.nwk)  # the stages they fill
 
     @cute.jit
     def __call__(
@@ -219,7 +211,6 @@ class GroupedGemmSm90:
         b_layout = utils.LayoutEnum.from_tensor(x)
         b_smem_staged = sm90_utils.make_smem_layout_b(b_layout, (64, self.n, WINDOW_K), f8, self.stages)
         b_smem_one = cute.slice_(b_smem_staged, (None, None, 0))
-        assert cute.size_in_bytes(f8, b_smem_one) == self.b_bytes  # (what each stage's mbarrier expects of it)
         tma_atom, tma_x = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), x, b_smem_one, (self.n, WINDOW_K)
         )
@@ -348,25 +339,6 @@ class GroupedGemmSm90:
         sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         skt = st.skt.get_tensor(cute.make_layout((5, SK_TABLE if self.stream_k else 1)))
 
-        # bulk-copy bases: the window records in global memory, the stages in shared memory
-        w_base = wq.iterator.toint()
-        s_base = ws.iterator.toint()
-        w_dst = st.sW.data_ptr().toint()
-        s_dst = st.sS.data_ptr().toint()
-        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        pipe = None
-        if cutlass.const_expr(self.early):
-            # early weights: the grid row's expert (active_first off) is known before the row layout, and its
-            # weights are written by no kernel of the call: the first stages' weights stream before any wait
-            pipe = self.make_pipe(st, tma_atom, lut, slut, b_smem_staged, tidx, warp_idx)
-            if warp_idx == 0:
-                lc0 = (mt, (ey + first) % num_experts, Int32(0), w_lo, Int32(0), num_experts, skt)
-                pre = prod.clone()
-                for i in cutlass.range_constexpr(self.early_loads):
-                    rec, _, _ = self.load_coords(cnt, offs, lc0, Int32(i), lane)
-                    self.produce_weights(pipe, pre, rec, w_base, s_base, w_dst, s_dst)
-                    pre.advance()
         if cutlass.const_expr(self.cfg.pdl and self.is_w1 and not self.cfg.ring):
             # programmatic dependent launch: W1's rows, scales and counts may come from the kernel just before it
             # (ring mode acquires them by their tags instead)
@@ -437,21 +409,25 @@ class GroupedGemmSm90:
                 sflag[5] = Int32(sig[5] >> 32)
                 sflag[6] = Int32(self.m_tiles)
 
-        if cutlass.const_expr(not self.early):
-            pipe = self.make_pipe(st, tma_atom, lut, slut, b_smem_staged, tidx, warp_idx)
-        if cutlass.const_expr(self.early):
-            if total == 0:
-                # early weights of an expert without rows (or of a failed acquire): their stages complete (the
-                # activation bytes they were armed for, completed by hand) before the CTA exits with its copies landed
-                if warp_idx == 0:
-                    drain = cons.clone()
-                    arm = prod.clone()
-                    for _ in cutlass.range_constexpr(self.early_loads):
-                        with cute.arch.elect_one():
-                            mbarrier_complete_tx(pipe.producer_get_barrier(arm).toint(), self.b_bytes)
-                        pipe.consumer_wait(drain)
-                        drain.advance()
-                        arm.advance()
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom)
+        if tidx < 32:
+            slut[tidx] = lut[tidx]
+
+        b_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(b_smem_staged, (None, None, 0)))
+        pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
+            tx_count=b_bytes + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        cute.arch.barrier()
+        if cutlass.const_expr(self.splits > 1):
+            # every CTA of the cluster has started before any pushes into the leader's shared memory
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
 
         # a stage's weights as [word, thread, fragment (wg, subtile, half), stage], its scale records [row, stage]
         sW = st.sW.get_tensor(cute.make_layout((4, 128, 8, self.stages), stride=(1, 4, 512, 4096)))
@@ -480,21 +456,27 @@ class GroupedGemmSm90:
         rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales [row u, sub] of the window in flight
 
         srow0 = 128 * wg + 16 * wwarp + g  # CTA row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
+        # bulk-copy bases: the window records in global memory, the stages in shared memory
+        w_base = wq.iterator.toint()
+        s_base = ws.iterator.toint()
+        w_dst = st.sW.data_ptr().toint()
+        s_dst = st.sS.data_ptr().toint()
         lc = (mt, e, row_base, w_lo, u0, num_experts, skt)  # what load_coords needs
 
+        prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        cons = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         prev = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         issued = Int32(0)
-        # prologue, S - 1 stages: the weights first (they depend on no earlier kernel; with early weights they are
-        # in flight already), then W2 waits for W1 (PDL: W2's CTAs start in W1's tail and stream weights meanwhile)
-        # and W1 for its ring blocks, then the activation boxes
-        if cutlass.const_expr(not self.early):
-            if warp_idx == 0:  # the whole warp: the pipeline's arrive and the TMA issue elect one lane themselves
-                pre = prod.clone()
-                for i in cutlass.range_constexpr(self.stages - 1):
-                    if i < total:
-                        rec, _, _ = self.load_coords(cnt, offs, lc, i, lane)
-                        self.produce_weights(pipe, pre, rec, w_base, s_base, w_dst, s_dst)
-                        pre.advance()
+        # prologue, S - 1 stages: the weights first (they depend on no earlier kernel), then W2 waits for W1 (PDL:
+        # W2's CTAs start in W1's tail and stream weights meanwhile) and W1 for its ring blocks, then the
+        # activation boxes
+        if warp_idx == 0:  # the whole warp: the pipeline's arrive and the TMA issue elect one lane themselves
+            pre = prod.clone()
+            for i in cutlass.range_constexpr(self.stages - 1):
+                if i < total:
+                    rec, _, _ = self.load_coords(cnt, offs, lc, i, lane)
+                    self.produce_weights(pipe, pre, rec, w_base, s_base, w_dst, s_dst)
+                    pre.advance()
         if cutlass.const_expr(self.expert_sync and not self.is_w1):
             self.acquire_expert(sig, gen, timeout_ns, e, count, tidx)
         elif cutlass.const_expr(self.cfg.pdl and not self.is_w1):
@@ -791,39 +773,6 @@ class GroupedGemmSm90:
                 for s, acc in enumerate(accs):
                     for i in cutlass.range_constexpr(nacc):
                         acc[i] = acc[i] + part[r, s * nacc + i, tidx]
-
-    @cute.jit
-    def make_pipe(
-        self,
-        st,
-        tma_atom: cute.CopyAtom,
-        lut: cute.Tensor,
-        slut: cute.Tensor,
-        b_smem_staged: cute.ComposedLayout,
-        tidx: Int32,
-        warp_idx: Int32,
-    ):
-        """The stages' mbarriers (PipelineTmaAsync: one producer arrive with every byte of a stage, one consumer
-        arrive per warp), the LUT into shared memory and the TMA descriptor prefetched, then a CTA barrier (and with
-        K splits a cluster barrier: every CTA of the cluster has started before any pushes into the leader's shared
-        memory)."""
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom)
-        if tidx < 32:
-            slut[tidx] = lut[tidx]
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=st.mbar.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
-            tx_count=self.b_bytes + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
-        cute.arch.barrier()
-        if cutlass.const_expr(self.splits > 1):
-            cute.arch.cluster_arrive_relaxed()
-            cute.arch.cluster_wait()
-        return pipe
 
     @cute.jit
     def produce_weights(
