@@ -586,3 +586,30 @@ def test_schedule_probe_compiles_for_sm90a():
     assert smem_limit(2) >= 5 * stream_probe.WINDOW_BYTES + 1024
     with pytest.raises(ValueError, match="stages"):
         schedule_probe.ScheduleProbe(16)
+
+
+# ------------------------------------------------------------------------------------------------ precompile
+def test_precompile_lists_the_layers_kernels_and_the_ring_tests_variants(capsys):
+    """precompile.py --list (CPU): per model and T, W1 and W2 in ring mode with the configuration the layer's bucket
+    gets (layer_config of the slice's padded shape, epilogue flags included), then the ring tests' variants, each
+    once."""
+    import precompile
+
+    from gcmoe.backends.sm90 import ring_kernel_config, token_bucket
+    from gcmoe_core.config import MoEConfig
+    from gcmoe_gemm_sm90.ops import layer_config
+
+    jobs = precompile.layer_jobs("deepseek-v4-flash", 8, [1, 5, 32])
+    cfg = MoEConfig.ep_slice("deepseek-v4-flash", 8, max_tokens_per_rank=256)
+    h, i = cfg.padded_hidden, cfg.padded_intermediate
+    for t, (w1, w2) in zip((1, 5, 32), zip(jobs[::2], jobs[1::2]), strict=True):
+        shape = (cfg.num_experts, h, i, cfg.num_shared_experts)
+        want = ring_kernel_config(layer_config(token_bucket(t), cfg.top_k, *shape))
+        assert w1 == ("w1", 2 * i, h, want) and w2 == ("w2", h, i, want)
+    gpt = precompile.layer_jobs("gpt-oss-120b", 8, [8])
+    assert gpt[0][3].bias and gpt[0][3].activation == "swiglu_clamped" and gpt[0][2] % 256 == 0
+    tests = precompile.test_jobs()
+    assert {c.ring for *_, c in tests} == {False, True} and len(tests) == len(set(tests))
+    assert precompile.main(["--models", "deepseek-v3", "--tokens", "1", "--tests", "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 + len(tests) and out[0].startswith("w1 4096 7168 Sm90Config(")

@@ -7,9 +7,12 @@
 #   device call 2 (carry .gpu-wheels/b):  source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh info tests greenctx bench
 #   later calls on the warm machine:      source .gpu-wheels/b/install.sh && bash tools/gpu/run.sh <steps>
 #
-# steps: info | tests | greenctx | layersmoke | bench | smoke | sanitize | sm90 | sm90bench | comm | multiproc |
-# commbench | soak | benchmark | all
+# steps: info | precompile | tests | greenctx | layersmoke | bench | smoke | sanitize | sm90 | sm90bench | comm |
+# multiproc | commbench | soak | benchmark | all
 # (default: all). Each step's log and results land in $OUT. BENCH_ARGS / TUNE_ARGS / LAYER_TEST_ARGS pass through.
+# precompile: tools/gpu/precompile.py (the layer's GEMM variants for PRECOMPILE_ARGS, default V4-Flash and V3 at
+# T = 1 8 32 128, and the sm90 ring tests' variants, compiled in parallel into the DSL cache: the later steps load
+# them instead of compiling one by one). tests: each test bounded by 300 s (pytest-timeout), so a hang costs one test.
 # soak: tools/gpu/soak.py (100,000 checked graph replays, ~3 min; SOAK_ARGS, e.g. "--replays 20000") -> $OUT/soak/;
 # benchmark: pytest-benchmark over the layer (packages/gcmoe/tests/test_bench_layer.py; BENCHMARK_ARGS, e.g.
 # "-k deepseek-v3") -> $OUT/benchmark.json.
@@ -24,7 +27,10 @@ rc=0
 run_step() {
   case "$1" in
     info)     python3 -m gcmoe.cli info --json > "$OUT/info.json" && python3 -m gcmoe.cli info | tee "$OUT/info.txt" ;;
+    precompile) timeout 300 python3 tools/gpu/precompile.py ${PRECOMPILE_ARGS:---tests} 2>&1 | tee "$OUT/precompile.log"
+              return "${PIPESTATUS[0]}" ;;
     tests)    python3 -m pytest packages tests-integration -m "gpu or sm90 or sm103 or multigpu or compile" -rs -q \
+                -p timeout --timeout=300 --timeout-method=thread \
                 --junitxml="$OUT/junit.xml" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log"; return "${PIPESTATUS[0]}" ;;
     greenctx) python3 -m gcmoe_greenctx.bench --out "$OUT" 2>&1 | tee "$OUT/greenctx.log"; return "${PIPESTATUS[0]}" ;;
     bench)    python3 -m gcmoe.cli bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" \
@@ -48,7 +54,7 @@ run_step() {
               return "${PIPESTATUS[0]}" ;;
     commbench) python3 -m gcmoe_comm.bench --out "$OUT" 2>&1 | tail -30; return "${PIPESTATUS[0]}" ;;
     sm90bench) python3 -m gcmoe_gemm_sm90.bench --out "$OUT" ${SM90_BENCH_ARGS:-} 2>&1 | tail -40; return "${PIPESTATUS[0]}" ;;
-    all)      for s in info tests greenctx bench sm90bench; do run_step "$s" || rc=1; done ;;
+    all)      for s in info precompile tests greenctx bench sm90bench; do run_step "$s" || rc=1; done ;;
     *)        echo "unknown step $1" >&2; return 2 ;;
   esac
 }

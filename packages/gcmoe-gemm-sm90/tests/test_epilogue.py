@@ -13,7 +13,7 @@ from gcmoe_core.grouping import group_rows, grouped_forward, prepare_activations
 from gcmoe_core.reference import SWIGLU, Activation, MoEWeights, moe_reference
 from gcmoe_core.testing import Case, make_problem
 from gcmoe_gemm_sm90.config import Sm90Config
-from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2
+from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2, epilogue_flags, layer_config
 from gcmoe_gemm_sm90.prepack import unpack_sm90
 
 CFG = MoEConfig(512, 256, 8, 2, max_tokens_per_rank=64, activation="swiglu_clamped", has_bias=True)
@@ -68,6 +68,11 @@ def test_moe_sm90_carries_biases_and_sets_the_flags_only_when_asked():
     assert torch.equal(back.w2_bias, gpt.w2_bias) and back.epilogue == gpt.epilogue
     k = gpt.config_for(8, 2)
     assert (k.activation, k.swiglu_alpha, k.swiglu_limit, k.bias) == ("swiglu_clamped", 1.702, 7.0, True)
+    # the same configurations without the weights (what tools/gpu/precompile.py compiles ahead of a layer)
+    shape = (gpt.num_routed, gpt.hidden, gpt.inter, gpt.num_shared)
+    for t in (1, 5, 8, 32):
+        assert layer_config(t, 2, *shape, epilogue=epilogue_flags(Activation.of(CFG), True)) == gpt.config_for(t, 2)
+        assert layer_config(t, 2, *shape, epilogue=epilogue_flags(SWIGLU, False)) == plain.config_for(t, 2)
     gpt.cfg = Sm90Config(n_tile=16)  # a forced config gets the layer's epilogue flags too
     assert gpt.config_for(8, 2) == replace(Sm90Config(n_tile=16), **gpt.epilogue)
     with pytest.raises(ValueError, match="activation"):

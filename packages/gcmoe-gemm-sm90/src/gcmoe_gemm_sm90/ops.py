@@ -373,21 +373,44 @@ class MoESm90:
     @property
     def epilogue(self) -> dict:
         """The Sm90Config fields of this layer's epilogue (empty for SwiGLU without biases: the default kernels)."""
-        flags: dict = {}
-        if self.act.kind != "swiglu":
-            flags.update(activation=self.act.kind, swiglu_alpha=self.act.alpha, swiglu_limit=self.act.limit)
-        if self.w13_bias is not None:
-            flags["bias"] = True
-        return flags
+        return epilogue_flags(self.act, self.w13_bias is not None)
 
     def config_for(self, tokens: int, top_k: int, sms: int = 132) -> Sm90Config:
         """The kernel configuration for a call of `tokens` tokens per rank on `sms` SMs (self.cfg forces one; the
         layer's epilogue flags apply to either)."""
-        cfg = self.cfg or choose_config(tokens, top_k, self.num_routed, self.hidden, self.inter, sms, self.num_shared)
-        if min(self.hidden, self.inter) // WINDOW_K % cfg.prefetch:
-            cfg = replace(cfg, prefetch=1)
-        flags = self.epilogue
-        return replace(cfg, **flags) if flags else cfg
+        shape = (self.num_routed, self.hidden, self.inter, self.num_shared)
+        return layer_config(tokens, top_k, *shape, sms=sms, forced=self.cfg, epilogue=self.epilogue)
+
+
+def epilogue_flags(act: Activation, bias: bool) -> dict:
+    """The Sm90Config fields of an epilogue: activation `act`, biases or not (empty for SwiGLU without biases)."""
+    flags: dict = {}
+    if act.kind != "swiglu":
+        flags.update(activation=act.kind, swiglu_alpha=act.alpha, swiglu_limit=act.limit)
+    if bias:
+        flags["bias"] = True
+    return flags
+
+
+def layer_config(
+    tokens: int,
+    top_k: int,
+    num_routed: int,
+    hidden: int,
+    inter: int,
+    num_shared: int,
+    sms: int = 132,
+    forced: Sm90Config | None = None,
+    epilogue: dict | None = None,
+) -> Sm90Config:
+    """The kernel configuration of a layer (its prepacked, padded H and I; shared experts riding the routed experts'
+    launch) for `tokens` tokens per rank on `sms` SMs: choose_config's (or `forced`), one window per loop step where
+    K / 128 is odd, and the layer's epilogue flags (epilogue_flags). Without the weights: what MoESm90.config_for
+    returns, for tools that compile a layer's kernels ahead of it (tools/gpu/precompile.py)."""
+    cfg = forced or choose_config(tokens, top_k, num_routed, hidden, inter, sms, num_shared)
+    if min(hidden, inter) // WINDOW_K % cfg.prefetch:
+        cfg = replace(cfg, prefetch=1)
+    return replace(cfg, **epilogue) if epilogue else cfg
 
 
 def emulate_w1(

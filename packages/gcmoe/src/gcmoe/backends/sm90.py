@@ -392,7 +392,7 @@ class Lane:
         module inside the capture, and the load's synchronisation invalidates it: found 2026-11-30, a masked layer
         first called inside a capture). Module loads are lazy per CUDA context and a green context is a context of
         its own: with comm_sms, on the partition's compute stream too (made here if new)."""
-        kcfg = _ring_config(kcfg)
+        kcfg = ring_kernel_config(kcfg)
         if (kcfg, comm_sms) in self._loaded:
             return
         warm = self._warm_signals.data_ptr()
@@ -430,7 +430,7 @@ class Lane:
         from gcmoe_greenctx import RoleNodes, enqueue_roles
 
         plan = self.plan
-        kcfg = _ring_config(plan.kernel_config(bucket))
+        kcfg = ring_kernel_config(plan.kernel_config(bucket))
         status = 0 if out is not None else self.status.data_ptr()
         probe = self.probe  # tests: %smid of each role's stream, recorded beside the roles
         if probe is not None:
@@ -602,7 +602,9 @@ def virtual_ranks(cfg: MoEConfig, weights: MoEWeights, device: torch.device, opt
     return [Sm90Plan(cfg, t, device, options, workspace=ws) for t, ws in zip(tensors, wss)]
 
 
-def _ring_config(kcfg):
+def ring_kernel_config(kcfg):
+    """A bucket's kernel configuration as the layer launches it: ring mode beside gcmoe-comm's dispatch, whose ring
+    blocks are 8 rows (tools/gpu/precompile.py compiles these ahead of a layer)."""
     return replace(kcfg, ring=True, ring_bm=8)
 
 
