@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools" / "gpu"
 sys.path.insert(0, str(TOOLS))
 
+import precompile  # noqa: E402
 import racecheck_filter  # noqa: E402
 import sanitize_case  # noqa: E402
 import soak  # noqa: E402
@@ -593,8 +594,6 @@ def test_precompile_lists_the_layers_kernels_and_the_ring_tests_variants(capsys)
     """precompile.py --list (CPU): per model and T, W1 and W2 in ring mode with the configuration the layer's bucket
     gets (layer_config of the slice's padded shape, epilogue flags included), then the ring tests' variants, each
     once."""
-    import precompile
-
     from gcmoe.backends.sm90 import ring_kernel_config, token_bucket
     from gcmoe_core.config import MoEConfig
     from gcmoe_gemm_sm90.ops import layer_config
@@ -603,7 +602,7 @@ def test_precompile_lists_the_layers_kernels_and_the_ring_tests_variants(capsys)
     cfg = MoEConfig.ep_slice("deepseek-v4-flash", 8, max_tokens_per_rank=256)
     h, i = cfg.padded_hidden, cfg.padded_intermediate
     for t, (w1, w2) in zip((1, 5, 32), zip(jobs[::2], jobs[1::2]), strict=True):
-        shape = (cfg.num_experts, h, i, cfg.num_shared_experts)
+        shape = (cfg.local_experts, h, i, cfg.num_shared_experts)
         want = ring_kernel_config(layer_config(token_bucket(t), cfg.top_k, *shape))
         assert w1 == ("w1", 2 * i, h, want) and w2 == ("w2", h, i, want)
     gpt = precompile.layer_jobs("gpt-oss-120b", 8, [8])

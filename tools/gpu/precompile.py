@@ -39,7 +39,7 @@ def layer_jobs(model: str, ep: int, tokens: list[int]) -> list[tuple]:
     cfg = MoEConfig.ep_slice(model, ep, max_tokens_per_rank=max(256, *tokens))
     h, i = cfg.padded_hidden, cfg.padded_intermediate
     flags = epilogue_flags(Activation.of(cfg), cfg.has_bias)
-    shape = (cfg.num_experts // cfg.ep_size, h, i, cfg.num_shared_experts)
+    shape = (cfg.local_experts, h, i, cfg.num_shared_experts)
     jobs = []
     for t in tokens:
         kcfg = ring_kernel_config(layer_config(token_bucket(t), cfg.top_k, *shape, epilogue=flags))
