@@ -1,7 +1,7 @@
 """The CPU side of the GPU tools (tools/gpu): soak.py's inputs, schedule, on-device check loop (run here on CPU tensors
 with fake graphs, planted faults included), watchdog and report; sanitize_case.py's case list and kernel configs
-(compiled offline for sm_90a); racecheck_filter.py's verdicts on racecheck and initcheck logs; the sanitize.sh and
-run.sh wiring with stand-in tools."""
+(compiled offline for sm_90a); racecheck_filter.py's verdicts on racecheck and initcheck logs; ncu_source.py's
+summary of a source page; the sanitize.sh and run.sh wiring with stand-in tools."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools" / "gpu"
 sys.path.insert(0, str(TOOLS))
 
+import ncu_source  # noqa: E402
 import precompile  # noqa: E402
 import racecheck_filter  # noqa: E402
 import sanitize_case  # noqa: E402
@@ -612,3 +613,47 @@ def test_precompile_lists_the_layers_kernels_and_the_ring_tests_variants(capsys)
     assert precompile.main(["--models", "deepseek-v3", "--tokens", "1", "--tests", "--list"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 + len(tests) and out[0].startswith("w1 4096 7168 Sm90Config(")
+
+
+# ------------------------------------------------------------------------------------------------ ncu_source
+def _source_page() -> str:
+    """Two kernels as ncu's source page prints them: W1 (a byte store) then W2 (the bf16 scatter)."""
+    head = '"Address","Source","Instructions Executed","stall_barrier","stall_long_sb","stall_barrier (Not Issued)"'
+
+    def table(rows):
+        return "\n".join([head, *(f'"{a}","{src}","{n}","{b}","{ls}","{b}"' for a, src, n, b, ls in rows)])
+
+    w1 = [
+        ("0x10", "BAR.SYNC.DEFER_BLOCKING 0x0", 8, 0, 0),
+        ("0x20", "FENCE.VIEW.ASYNC.G", 8, 30, 0),
+        ("0x30", "@!P0 BRA 0x90", "1,024", 0, 10),
+        ("0x40", "STG.E.U8 desc[UR4][R2.64], R3", 16, 0, 0),
+    ]
+    w2 = [
+        ("0x10", "LDG.E R4, desc[UR4][R2.64]", 8, 0, 0),
+        ("0x20", "IMAD.WIDE R6, R4, 0x8, R8", 8, 0, 3),
+        ("0x30", "STG.E.U16 desc[UR4][R6.64], R5", 8, 1, 0),
+    ]
+    name = '"Kernel Name","kernel_cutlass_gcmoe_gemm_sm90_x",\n'
+    return name + table(w1) + "\n" + name + table(w2) + "\n"
+
+
+def test_ncu_source_summary_labels_the_kernels_and_shares_their_samples():
+    w1, w2 = ncu_source.kernels(_source_page())
+    assert [ncu_source.label(k) for k in (w1, w2)] == ["W1", "W2"]
+    s = ncu_source.summary(w1)
+    assert s["samples"] == 40
+    assert s["reasons"] == [("barrier", 0.75), ("long_sb", 0.25)]  # the "(Not Issued)" columns are not counted twice
+    assert s["opcodes"][0][:2] == ("FENCE", 0.75) and ("BRA", 0.25) in [o[:2] for o in s["opcodes"]]
+    src, executed, share, why = s["hot"][0]
+    assert (src, executed, share, why[0]) == ("FENCE.VIEW.ASYNC.G", 8.0, 0.75, ("barrier", 0.75))
+    assert ncu_source.opcode("@!UP1 IMAD.WIDE R6, R4, 0x8, R8") == "IMAD"
+    assert ncu_source.summary(w2)["hot"][0][2] == 0.75
+
+
+def test_ncu_source_main_prints_both_kernels(tmp_path, capsys):
+    page = tmp_path / "source.csv"
+    page.write_text(_source_page())
+    assert ncu_source.main([str(page), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("== W1: 40 samples, 4 instructions") < out.index("== W2: 4 samples, 3 instructions")

@@ -71,6 +71,8 @@ for model in args.models:
             unsplit = with_splits(replace(chosen, stream_k=False), (1, chosen.splits[1]), h, i)
             streamk = with_splits(replace(unsplit, stream_k=True), unsplit.splits, h, i)  # (its stages)
             variants = {"chosen": chosen, "w1_unsplit": unsplit, "stream_k": streamk}
+            if streamk.stages < unsplit.stages:  # the stages its occupancy holds (with_splits caps stream_k's)
+                variants["stream_k_deep"] = replace(streamk, stages=unsplit.stages)
         elif args.sweep == "stages":
             depths = range(max(2, chosen.stages - 2), min(8, chosen.stages + 2) + 1)
             variants = {

@@ -3,6 +3,7 @@ weights streamed by bulk copy into shared memory + 16-byte shared loads, the WGM
 bounded acquires of the comm signals (ld.acquire + %globaltimer) and W2's bf16 stores through the peer table; the
 gpt-oss epilogue variants (clamped SwiGLU, biases) on its padded shapes, and their flags off unless asked for."""
 
+import itertools
 import re
 from dataclasses import replace
 
@@ -98,6 +99,42 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
     assert not {o.split(".")[0] for o in ops} & {"LDL", "STL"}, "local-memory spills"
     assert kern.resources()["LOCAL"] == 0 and kern.resources()["STACK"] == 0
     assert kern.resources()["REG"] <= (128 if cfg.occupancy == 2 or cfg.warpgroups == 4 else 255)
+
+
+_PLAIN_LOAD = re.compile(r"\bLDG\.E(?:\.64)?\s")  # a plain global load (not the ring's strong acquires)
+
+
+def _store_load_turns(lines: list[str], store: str) -> int:
+    """How often a plain global load follows a store (`store`: a regex of the store opcodes) in these SASS lines."""
+    seq = [bool(_PLAIN_LOAD.search(ln)) for ln in lines if _PLAIN_LOAD.search(ln) or re.search(store, ln)]
+    return sum(1 for a, b in itertools.pairwise(seq) if not a and b)
+
+
+def test_tile_loads_are_issued_together_not_one_round_trip_each():
+    """A global load placed after a store (st_bf16 clobbers memory; shared stores of loaded values) is waited for in
+    turn: W2's epilogue loaded each token column's output row address (src, dst, then the peer table) between the
+    previous column's stores — two round trips per column in series, 39 store -> load turns at N 80 — and the tile's
+    prologue one activation scale at a time at N 48. Now: W2 loads the addresses of EPI_COLS columns at a time before
+    their stores; W1's epilogue reads the routing weights staged in shared memory with the scales (no global load);
+    the prologue's turns do not grow with N (the layer 1.03-1.04x faster at T = 128 / 256, bit-identical; H200,
+    2026-12-01, docs/benchmarks/epilogue-loads-h200-2026-12-01.md)."""
+    from gcmoe_gemm_sm90.kernel_grouped import EPI_COLS, compiled
+
+    turns = {}
+    for t in (8, 128, 256):  # N 8, 48 (4 warpgroups), 80
+        cfg = replace(choose_config(t, 8, 32), ring=True)
+        for mode, m, k in W1_W2:
+            lines = compiled(mode, m, k, cfg, "sm_90a").sass().splitlines()
+            q = [i for i, ln in enumerate(lines) if "QGMMA" in ln]
+            epilogue = lines[q[-1] :]
+            turns[mode, t] = _store_load_turns(lines[: q[0]], r"\bSTS\b")
+            if mode == "w2":
+                groups = -(-cfg.n_tile // 4 // EPI_COLS)
+                assert _store_load_turns(epilogue, r"\bSTG\.E") <= groups - 1, (t, cfg.n_tile)
+            else:
+                assert not any(_PLAIN_LOAD.search(ln) for ln in epilogue), (t, cfg.n_tile)
+    for mode, _, _ in W1_W2:
+        assert turns[mode, 128] == turns[mode, 256] == turns[mode, 8], turns
 
 
 def _count(sass: str, opcode: str) -> int:

@@ -125,7 +125,7 @@ def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1) -> int:
     n, nw = cfg.n_tile, k // WINDOW_K
     stage = n * WINDOW_K + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES
     red = 4 * n * 4 * cfg.warpgroups  # the W1 epilogue's per-warp amax
-    fixed = 16 * cfg.stages + 128 + 16 + red + 4 * nw * n + 1024 + 128 + 16
+    fixed = 16 * cfg.stages + 128 + 16 + red + 4 * nw * n + 4 * n + 1024 + 128 + 16  # (+ W1's routing weights)
     fixed += 4 * 5 * 8 if cfg.stream_k else 4  # stream_k's table of a CTA's first 8 tiles
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)
 

@@ -87,12 +87,12 @@ that order, so the experts the caller expects to take longest launch first: the 
 (every token of the rank: more N tiles than any routed expert from T = 16 on) at row 0, where they used to launch
 last and run their N-tile passes after all others had finished (the layer 1.04-1.21x faster at T = 32-256; H200,
 2026-12-01, docs/benchmarks/layer-h200-2026-12-01.md).
-stream_k (W1): grid [ctas] (two per SM); the tiles of every expert with rows (experts ascending, N tiles, M tiles:
-locate_tile) times their windows in units of `prefetch` windows, split in equal ranges over the CTAs; a CTA's
-pieces are the tiles its range touches (the first SK_TABLE kept in shared memory); a piece with only part of a tile's
-windows stores its fp32 partials (scratch sig[6]) and counts on the counter of the tile's last CTA (sig[7]); the
-last arriver adds the pieces in CTA order and runs the epilogue (reduce_pieces), and with expert_sync each (N tile,
-M tile) counts once in W1_DONE.
+stream_k (W1): grid [ctas] (one per SM slot: occupancy x SMs); the tiles of every expert with rows (experts
+ascending, N tiles, M tiles: locate_tile) times their windows in units of `prefetch` windows, split in equal ranges
+over the CTAs; a CTA's pieces are the tiles its range touches (the first SK_TABLE kept in shared memory); a piece
+with only part of a tile's windows stores its fp32 partials (scratch sig[6]) and counts on the counter of the tile's
+last CTA (sig[7]); the last arriver adds the pieces in CTA order and runs the epilogue (reduce_pieces), and with
+expert_sync each (N tile, M tile) counts once in W1_DONE.
 
 Debug: CUTE_DSL_KEEP=sass,ptx and CUTE_DSL_DUMP_DIR keep the generated code.
 """
@@ -143,6 +143,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
 Int32, Int64, Float32 = cutlass.Int32, cutlass.Int64, cutlass.Float32
 WINDOW_K = 128
 TILE_M = 256
+EPI_COLS = 4  # W2 epilogue: token columns whose output row addresses are loaded before their stores
 SK_TABLE = 8  # stream_k: tiles per CTA whose coordinates are kept in shared memory (more: located per load)
 SIG_WORDS = 8  # by-value addresses: ring mode's INUSE, CGEN, OFFS, ERR, L1_FULL, W1_DONE; stream_k's partials, counters
 
@@ -224,6 +225,7 @@ class GroupedGemmSm90:
             flag: cute.struct.MemRange[Int32, 8]
             red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
             ssx: cute.struct.MemRange[Float32, self.windows * self.n]
+            srw: cute.struct.MemRange[Float32, self.n if self.is_w1 else 1]  # W1: the tile's routing weights
             # stream_k: the CTA's first SK_TABLE tiles (window record base, first row, expert, N tile, M tile)
             skt: cute.struct.MemRange[Int32, SK_TABLE * 5 if self.stream_k else 1]
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
@@ -336,6 +338,7 @@ class GroupedGemmSm90:
         sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]
         ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1))
         ssx = st.ssx.get_tensor(ssx_layout)  # [window, token column] of the current N tile
+        srw = st.srw.get_tensor(cute.make_layout(n_tile if self.is_w1 else 1))  # W1: [token column]
         sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         skt = st.skt.get_tensor(cute.make_layout((5, SK_TABLE if self.stream_k else 1)))
 
@@ -508,19 +511,36 @@ class GroupedGemmSm90:
             acc0.fill(0.0)
             acc1.fill(0.0)
             col_base = pnt * n_tile
-            # the tile's activation scales, every window, into shared memory once: no global-load latency inside the
-            # window loop (the previous tile's readers are past the first barrier); columns past the expert's rows read
-            # nothing (they may lie past the end of the rows)
-            cute.arch.barrier()
-            for r in cutlass.range_constexpr(-(-nw * n_tile // self.threads)):
+            # the tile's activation scales, every window (and W1's routing weights), into shared memory once: no
+            # global-load latency inside the window loop or the epilogue. Each thread loads all of its values into
+            # registers, then stores them after the first barrier (the previous tile's readers are past it): loads
+            # between the shared stores were waited for one by one, a round trip per value (up to 18 in series at
+            # N 80), and the W1 epilogue waited for one routing weight per token column in series. Columns past the
+            # expert's rows read nothing (they may lie past the end of the rows): scale and routing weight 0.
+            nsx = -(-nw * n_tile // self.threads)
+            sxv = cute.make_rmem_tensor(nsx, Float32)
+            for r in cutlass.range_constexpr(nsx):
                 i = tidx + self.threads * r
+                sxv[r] = Float32(0.0)
                 if i < nw * n_tile:
                     wi = i // n_tile
                     c = i - wi * n_tile
-                    v = Float32(0.0)
                     if col_base + c < pcount:
-                        v = sxT[w_lo + wi, prow + col_base + c]
-                    ssx[wi, c] = v
+                        sxv[r] = sxT[w_lo + wi, prow + col_base + c]
+            rwt = Float32(0.0)
+            if cutlass.const_expr(self.is_w1):
+                if tidx < n_tile:
+                    if col_base + tidx < pcount:
+                        rwt = ep_a[prow + col_base + tidx]
+            cute.arch.barrier()
+            for r in cutlass.range_constexpr(nsx):
+                i = tidx + self.threads * r
+                if i < nw * n_tile:
+                    wi = i // n_tile
+                    ssx[wi, i - wi * n_tile] = sxv[r]
+            if cutlass.const_expr(self.is_w1):
+                if tidx < n_tile:
+                    srw[tidx] = rwt
             cute.arch.barrier()
             # per window w: wait for window w - 1's WGMMAs, release its stage, refill, promote it; decode subtile 0 of
             # w, issue its WGMMAs; decode subtile 1 while they run (cfg.overlap; else before them), issue its WGMMAs
@@ -586,7 +606,7 @@ class GroupedGemmSm90:
                         acc0,
                         acc1,
                         sred,
-                        ep_a,
+                        srw,
                         ep_b,
                         ep_c,
                         pmt,
@@ -1079,7 +1099,7 @@ class GroupedGemmSm90:
         acc0: cute.Tensor,
         acc1: cute.Tensor,
         sred: cute.Tensor,
-        rw: cute.Tensor,
+        srw: cute.Tensor,
         hq: cute.Tensor,
         hsT: cute.Tensor,
         mt: Int32,
@@ -1093,7 +1113,8 @@ class GroupedGemmSm90:
         e: Int32,
         sig: tuple,
     ):
-        """h = silu(gate) * up * rw per (token, intermediate column); FP8 per token per the tile's 128 columns.
+        """h = silu(gate) * up * rw per (token, intermediate column), the tile's routing weights rw staged in srw
+        (0 past the expert's rows); FP8 per token per the tile's 128 columns.
         Subtile s of the warpgroup holds intermediate columns c_base + 32 (sb + s) (gate rows r, up rows r + 8).
         cfg.bias / cfg.activation: gate and up get expert e's b13 entries, then the clamped activation."""
         ncol = self.n // 4
@@ -1113,9 +1134,7 @@ class GroupedGemmSm90:
             v0, q = c % 2, c // 2
             col = 2 * t0 + v0 + 8 * q
             i_gate, i_up = 4 * q + v0, 4 * q + 2 + v0
-            w = Float32(0.0)
-            if col < valid:
-                w = rw[row0 + col]
+            w = srw[col]  # (staged with the tile's activation scales; 0 past the expert's rows)
             m = Float32(0.0)
             for s in cutlass.range_constexpr(self.subs):
                 gate, up = accs[s][i_gate], accs[s][i_up]
@@ -1190,20 +1209,34 @@ class GroupedGemmSm90:
             b2 = cute.make_rmem_tensor(2 * self.subs, Float32)  # [row u + 2 subtile s]
             for j in cutlass.range_constexpr(2 * self.subs):
                 b2[j] = bits_to_f32(ld_u32(sig[8] + (Int64(e) * self.m + m_base + 8 * (j % 2) + 64 * (j // 2)) * 4))
-        for i in cutlass.range_constexpr(self.n // 2):
-            v0, v1, q = i % 2, (i // 2) % 2, i // 4
-            col = 2 * t0 + v0 + 8 * q
-            if col < valid:
-                row = row0 + col
-                base = comb[src[row, 0]] + (Int64(dst[row]) * self.m + m_base + 8 * v1) * 2
-                if cutlass.const_expr(self.bias):
-                    st_bf16(base, acc0[i] + rwc[v0 + 2 * q] * b2[v1])
-                    if cutlass.const_expr(self.subs == 2):
-                        st_bf16(base + 128, acc1[i] + rwc[v0 + 2 * q] * b2[v1 + 2])
-                else:
-                    st_bf16(base, acc0[i])
-                    if cutlass.const_expr(self.subs == 2):
-                        st_bf16(base + 128, acc1[i])
+        # the output row addresses of EPI_COLS token columns at a time, then their stores: a store (st_bf16 clobbers
+        # memory) orders the loads after it, so loading each column's between stores waited two round trips (src /
+        # dst, then comb) per token column in series; more columns at a time spill at N >= 64 (the layer 1.03-1.04x
+        # faster at T = 128 / 256: docs/benchmarks/epilogue-loads-h200-2026-12-01.md)
+        ncol = self.n // 4
+        for c0 in cutlass.range_constexpr(0, ncol, EPI_COLS):
+            rowp = cute.make_rmem_tensor(EPI_COLS, Int64)
+            for c in cutlass.range_constexpr(c0, min(c0 + EPI_COLS, ncol)):
+                col = 2 * t0 + (c % 2) + 8 * (c // 2)
+                rowp[c - c0] = Int64(0)
+                if col < valid:
+                    row = row0 + col
+                    rowp[c - c0] = comb[src[row, 0]] + (Int64(dst[row]) * self.m + m_base) * 2
+            for c in cutlass.range_constexpr(c0, min(c0 + EPI_COLS, ncol)):
+                v0, q = c % 2, c // 2
+                col = 2 * t0 + v0 + 8 * q
+                if col < valid:
+                    for v1 in cutlass.range_constexpr(2):
+                        i = v0 + 2 * v1 + 4 * q
+                        base = rowp[c - c0] + 16 * v1
+                        if cutlass.const_expr(self.bias):
+                            st_bf16(base, acc0[i] + rwc[c] * b2[v1])
+                            if cutlass.const_expr(self.subs == 2):
+                                st_bf16(base + 128, acc1[i] + rwc[c] * b2[v1 + 2])
+                        else:
+                            st_bf16(base, acc0[i])
+                            if cutlass.const_expr(self.subs == 2):
+                                st_bf16(base + 128, acc1[i])
 
 
 def fake_operands(mode: str, m: int, k: int, ranks_sym=None):

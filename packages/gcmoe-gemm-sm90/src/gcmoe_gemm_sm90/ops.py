@@ -185,7 +185,8 @@ def launch_w1(
     """W1 on expert-sorted rows: x_rows uint8 [R, H] (FP8 bits), sxT fp32 [H/128, R], route_w fp32 [R], offsets
     int32 [E + 1] (multiples of 8), counts int32 [E] -> hq uint8 [R, I] (FP8 bits), hsT fp32 [I/128, R].
     cfg.stream_k: scratch (StreamKScratch) is required; sk_ctas CTAs (default: the scratch's, two per SM) share the
-    windows (two per SM of the partition it runs on). cfg.bias: bias = b13 fp32 [E, 2I] (gate then up entries).
+    windows (the layer passes one per SM slot of the partition it runs on: cfg.occupancy per SM). cfg.bias: bias =
+    b13 fp32 [E, 2I] (gate then up entries).
     grid_rows, first_expert: the grid's rows (see _launch)."""
     rows, inter = x_rows.shape[0], packed.m // 2
     if hq.shape != (rows, inter) or hq.dtype != torch.uint8 or hsT.shape != (packed.m // TILE_M, rows):

@@ -370,15 +370,16 @@ class Lane:
         )
 
     def _gemms(self, kcfg, ticket: int, comm_sms: int = 0, signals: int | None = None, rows: int | None = None):
-        """W1 then W2 on this lane's ring (ring mode), on the current stream; stream_k W1 over two CTAs per SM of the
-        compute partition (all SMs but comm_sms). signals: their signal words (default: the workspace's). rows: their
-        grid rows (Sm90Plan.grid_rows; default: one per ring expert)."""
+        """W1 then W2 on this lane's ring (ring mode), on the current stream; stream_k W1 over one CTA per SM slot of
+        the compute partition (all SMs but comm_sms; the configuration's occupancy slots per SM). signals: their
+        signal words (default: the workspace's). rows: their grid rows (Sm90Plan.grid_rows; default: one per ring
+        expert)."""
         from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
 
         x, sxT, rw, offs, cnt, dst, src = self.ring
         sync = self._ring_sync(ticket, signals)
         moe = self.plan.moe
-        sk_ctas = 2 * (self.plan.sm_count - comm_sms)
+        sk_ctas = kcfg.occupancy * (self.plan.sm_count - comm_sms)
         b13, b2 = moe.w13_bias, moe.w2_bias  # (gpt-oss) W2 adds the ring rows' route_w times b2
         rw2 = rw if b2 is not None else None
         grid = dict(grid_rows=rows, first_expert=self.plan.first_row_expert())
