@@ -3,7 +3,8 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
 
     --sweep splits       other (W1, W2) K splits (at small T; each with expert_sync where its W1 is unsplit)
     --sweep expert_sync  W2 per expert after its W1 tiles (W1_DONE tags) vs after the whole W1 grid
-    --sweep stream_k     the chosen config vs W1 unsplit vs W1 stream_k (equal window ranges per CTA slot)
+    --sweep stream_k     the chosen config vs W1 unsplit vs W1 stream_k (equal window ranges per CTA slot), also at
+                         the stages its occupancy holds where with_splits caps stream_k's (stream_k_deep)
     --sweep first        the shared experts' grid rows first (the default) vs every ring expert in expert order
     --sweep grid         W1 / W2 grid rows bounded by the experts that can have rows (the default with active-first
                          rows) vs one row per ring expert vs half the bound (CTAs running rows y, y + R: what a peer's
