@@ -648,6 +648,7 @@ def test_ncu_source_summary_labels_the_kernels_and_shares_their_samples():
     src, executed, share, why = s["hot"][0]
     assert (src, executed, share, why[0]) == ("FENCE.VIEW.ASYNC.G", 8.0, 0.75, ("barrier", 0.75))
     assert ncu_source.opcode("@!UP1 IMAD.WIDE R6, R4, 0x8, R8") == "IMAD"
+    assert s["outside_loop"] == (0.75, 0.75, 0.0)  # executed < 1,024 / 4: all but the loop's branch
     assert ncu_source.summary(w2)["hot"][0][2] == 0.75
 
 

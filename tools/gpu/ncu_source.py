@@ -41,7 +41,9 @@ def opcode(source: str) -> str:
 
 def summary(rows: list[dict], top: int = 16) -> dict:
     """{'samples', 'reasons': [(reason, share)], 'opcodes': [(op, share, [(reason, share)])], 'hot': [(source,
-    executed, share, [(reason, share)])]}: shares of the kernel's samples, largest first."""
+    executed, share, [(reason, share)])], 'outside_loop': (share, barrier share, long-scoreboard share)}: shares of
+    the kernel's samples, largest first. Outside the loop: instructions executed under a quarter as often as the most
+    executed one (the window loop's) — each CTA's start, staging and epilogue."""
     cols = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c] if rows else []
     total = sum(_num(r[c]) for r in rows for c in cols) or 1.0
     reasons, by_op = Counter(), defaultdict(Counter)
@@ -53,6 +55,8 @@ def summary(rows: list[dict], top: int = 16) -> dict:
     def shares(cnt: Counter, n: int) -> list[tuple[str, float]]:
         return [(k, v / total) for k, v in cnt.most_common(n)]
 
+    most = max((_num(r.get("Instructions Executed", "0")) for r in rows), default=0.0)
+    outside = [r for r in rows if _num(r.get("Instructions Executed", "0")) < most / 4]
     ops = sorted(by_op.items(), key=lambda kv: -sum(kv[1].values()))[:top]
     hot = sorted(rows, key=lambda r: -sum(_num(r[c]) for c in cols))[:top]
     return {
@@ -68,6 +72,10 @@ def summary(rows: list[dict], top: int = 16) -> dict:
             )
             for r in hot
         ],
+        "outside_loop": tuple(
+            sum(_num(r[c]) for r in outside for c in cols if c[6:] in want) / total
+            for want in ({c[6:] for c in cols}, {"barrier"}, {"long_sb"})
+        ),
     }
 
 
@@ -82,6 +90,10 @@ def main(argv=None) -> int:
         s = summary(rows, args.top)
         print(f"== {label(rows)}: {s['samples']:.0f} samples, {len(rows)} instructions")
         print("  " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["reasons"]))
+        out, bar, lsb = s["outside_loop"]
+        print(
+            f"  outside the window loop {100 * out:.1f}% (barrier {100 * bar:.1f}%, long scoreboard {100 * lsb:.1f}%)"
+        )
         for op, share, why in s["opcodes"]:
             print(f"  {op:12s} {100 * share:5.1f}%  " + ", ".join(f"{k} {100 * v:.1f}" for k, v in why))
         for src, executed, share, why in s["hot"]:
