@@ -335,8 +335,9 @@ def test_sanitize_cases_cover_every_kernel_and_w1_w2_variant():
 def test_sanitize_configs_fit_both_gemms_of_the_case_shape(kc):
     c = sanitize_case.CFG
     experts = c.local_experts + c.num_shared_experts
-    assert can_implement(2 * c.intermediate_size, c.hidden_size, experts, kc, splits=kc.splits[0]) is None
-    assert can_implement(c.hidden_size, c.intermediate_size, experts, kc, splits=kc.splits[1]) is None
+    h, i = c.hidden_size, c.intermediate_size
+    assert can_implement(2 * i, h, experts, kc, splits=kc.splits[0], half=kc.w1_half) is None
+    assert can_implement(h, i, experts, kc, splits=kc.splits[1], half=kc.w2_half) is None
 
 
 @pytest.mark.compile

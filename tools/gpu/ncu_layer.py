@@ -24,7 +24,8 @@ def main(model: str, tokens: int, variant: str) -> None:
     x, ids, w = make_tokens(cfg, tokens, "uniform", tokens, device="cuda")
     kcfg = MoESm90.from_weights(weights).config_for(tokens, cfg.top_k)
     if variant in ("unsplit", "stream_k"):
-        kcfg = replace(kcfg, stream_k=variant == "stream_k")  # (with_splits sizes its stages)
+        sk = variant == "stream_k"  # (with_splits sizes its stages; stream_k runs whole W1 tiles)
+        kcfg = replace(kcfg, stream_k=sk, w1_half=kcfg.w1_half and not sk)
         kcfg = with_splits(kcfg, (1, kcfg.splits[1]), cfg.hidden_size, cfg.intermediate_size)
     layer = gcmoe.MoELayer(cfg, "cuda", "sm90", comm_sms=0, kernel_config=kcfg).load(weights)
     for _ in range(3):

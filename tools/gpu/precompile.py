@@ -12,6 +12,8 @@ device step; `--list` prints the jobs anywhere.
 --models / --tokens: the public layer's kernels (MoEConfig.ep_slice(model, ep), the bucket of each T; ring mode,
 exactly what gcmoe's sm90 backend launches: gcmoe_gemm_sm90.ops.layer_config + ring_kernel_config).
 --tests: also the sm90 kernel tests' ring-mode variants (test_grouped_gpu.RING_VARIANTS, ring and prepared rows).
+--half: also each bucket's W1 / W2 with the other cfg.w1_half / w2_half (where the N tile allows it; split_sweep
+--sweep w1_half / w2_half).
 Prints one line per failed job and a summary; exits 1 if any job failed.
 """
 
@@ -29,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RING_TESTS = ROOT / "packages" / "gcmoe-gemm-sm90" / "tests" / "test_grouped_gpu.py"
 
 
-def layer_jobs(model: str, ep: int, tokens: list[int]) -> list[tuple]:
+def layer_jobs(model: str, ep: int, tokens: list[int], half: bool = False) -> list[tuple]:
     """(mode, M, K, config) of W1 and W2 for each T's bucket of the model's EP slice, as the layer launches them."""
     from gcmoe.backends.sm90 import ring_kernel_config, token_bucket
     from gcmoe_core.config import MoEConfig
@@ -44,6 +46,10 @@ def layer_jobs(model: str, ep: int, tokens: list[int]) -> list[tuple]:
     for t in tokens:
         kcfg = ring_kernel_config(layer_config(token_bucket(t), cfg.top_k, *shape, epilogue=flags))
         jobs += [("w1", 2 * i, h, kcfg), ("w2", h, i, kcfg)]
+        if half and kcfg.n_tile <= 64 and kcfg.splits[1] == 1:
+            jobs.append(("w2", h, i, replace(kcfg, w2_half=not kcfg.w2_half)))
+        if half and kcfg.n_tile <= 64 and kcfg.splits[0] == 1 and not kcfg.stream_k:
+            jobs.append(("w1", 2 * i, h, replace(kcfg, w1_half=not kcfg.w1_half)))
     return jobs
 
 
@@ -78,10 +84,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", nargs="*", type=int, default=[1, 8, 32, 128])
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--tests", action="store_true", help="also the sm90 ring-mode kernel tests' variants")
+    ap.add_argument("--half", action="store_true", help="also each bucket's W1 / W2 with the other w1/w2_half")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--list", action="store_true", help="print the jobs and compile nothing")
     args = ap.parse_args(argv)
-    jobs = [j for model in args.models for j in layer_jobs(model, args.ep, args.tokens)]
+    jobs = [j for model in args.models for j in layer_jobs(model, args.ep, args.tokens, args.half)]
     if args.tests:
         jobs += test_jobs()
     jobs = list(dict.fromkeys(jobs))  # (configs are frozen dataclasses: equal jobs compile once)

@@ -61,11 +61,13 @@ RING_CONFIGS = {
     "expert-sync": Sm90Config(8, 3, 2, occupancy=2, expert_sync=True),
     "stream-k": Sm90Config(8, 3, 2, occupancy=2, expert_sync=True, stream_k=True),
     "wg4": Sm90Config(32, 2, 2, occupancy=1, warpgroups=4, expert_sync=True),
+    "wg4-half": Sm90Config(32, 2, 2, occupancy=1, warpgroups=4, expert_sync=True, w1_half=True, w2_half=True),
 }
 ROW_CONFIGS = {
     "n8": Sm90Config(8, 3, 2, occupancy=2),
     "n16-splitk": Sm90Config(16, 3, 2, occupancy=2, splits=(2, 1)),
     "n32-wg4": Sm90Config(32, 2, 2, occupancy=1, warpgroups=4),
+    "n32-wg4-half": Sm90Config(32, 2, 2, occupancy=1, warpgroups=4, w1_half=True, w2_half=True),
 }
 
 PUBLISH, PUBLISH_SLOTS, READY = "publish", "publish (slot path)", "ready"

@@ -17,6 +17,10 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
     --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
+    --sweep w1_half      the chosen W1 vs the other cfg.w1_half (flipped; N tiles <= 64, W1 unsplit, not stream_k)
+    --sweep w2_half      the chosen W2 vs the other cfg.w2_half (flipped: half an M tile per CTA, two CTAs per SM, or
+                         whole tiles; N tiles <= 64); above N 64 N 64 with 4 warpgroups, with and without half tiles
+                         (n64, n64_half)
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
                                     [--l2-flush read] [--out DIR]
@@ -41,7 +45,18 @@ from gcmoe_gemm_sm90.ops import MoESm90
 ap = argparse.ArgumentParser()
 ap.add_argument(
     "--sweep",
-    choices=("splits", "expert_sync", "stream_k", "grid", "first", "stages", "evict_first", "l2_prefetch"),
+    choices=(
+        "splits",
+        "expert_sync",
+        "stream_k",
+        "grid",
+        "first",
+        "stages",
+        "evict_first",
+        "l2_prefetch",
+        "w1_half",
+        "w2_half",
+    ),
     default="splits",
 )
 ap.add_argument("--splits", nargs="+", default=["11", "21", "22", "41", "42"], help="(W1, W2) K splits, e.g. 21")
@@ -70,7 +85,8 @@ for model in args.models:
             }
         elif args.sweep == "stream_k":
             unsplit = with_splits(replace(chosen, stream_k=False), (1, chosen.splits[1]), h, i)
-            streamk = with_splits(replace(unsplit, stream_k=True), unsplit.splits, h, i)  # (its stages)
+            # (with_splits: its stages; stream_k runs whole W1 tiles)
+            streamk = with_splits(replace(unsplit, stream_k=True, w1_half=False), unsplit.splits, h, i)
             variants = {"chosen": chosen, "w1_unsplit": unsplit, "stream_k": streamk}
             if streamk.stages < unsplit.stages:  # the stages its occupancy holds (with_splits caps stream_k's)
                 variants["stream_k_deep"] = replace(streamk, stages=unsplit.stages)
@@ -84,6 +100,17 @@ for model in args.models:
             variants = {"chosen": chosen, "flipped": replace(chosen, evict_first=not chosen.evict_first)}
         elif args.sweep == "first":
             variants = {"chosen": chosen, "shared_last": chosen}
+        elif args.sweep == "w1_half":
+            variants = {"chosen": chosen}
+            if chosen.splits[0] == 1 and chosen.n_tile <= 64 and not chosen.stream_k:
+                variants["flipped"] = replace(chosen, w1_half=not chosen.w1_half)
+        elif args.sweep == "w2_half":
+            variants = {"chosen": chosen}
+            if chosen.splits[1] == 1 and chosen.n_tile <= 64:
+                variants["flipped"] = replace(chosen, w2_half=not chosen.w2_half)
+            elif chosen.splits[1] == 1:
+                n64 = with_splits(replace(chosen, n_tile=64, warpgroups=4, occupancy=1), chosen.splits, h, i)
+                variants |= {"n64": n64, "n64_half": replace(n64, w2_half=True)}
         elif args.sweep == "l2_prefetch":
             variants = {"chosen": chosen, "no_prefetch": chosen}
         elif args.sweep == "grid":
@@ -107,7 +134,8 @@ for model in args.models:
             }
         for name, kcfg in variants.items():
             sp = kcfg.splits
-            if any(can_implement(m, k, 1, kcfg, splits=s) for (m, k), s in zip(((2 * i, h), (h, i)), sp)):
+            shapes = zip(((2 * i, h, kcfg.w1_half), (h, i, kcfg.w2_half)), sp)
+            if any(can_implement(m, k, 1, kcfg, splits=s, half=half) for (m, k, half), s in shapes):
                 continue
             layer = gcmoe.MoELayer(cfg, "cuda", "sm90", kernel_config=kcfg).load(weights)
             plan = layer.packed.plan  # (its grid patched before the first call captures anything)

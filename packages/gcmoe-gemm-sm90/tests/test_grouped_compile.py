@@ -30,6 +30,18 @@ VARIANTS = [
         for mode, m, k in W1_W2
     ],
     ("w1", 4096, 7168, with_splits(Sm90Config(16, 2, 2, warpgroups=4), (2, 2), 7168, 2048)),
+    # CTAs of half an M tile at N 40 / 48 / 64 (two per SM: <= 128 registers), ring mode and prepared rows; W1's in
+    # cluster pairs
+    *[
+        (mode, m, k, replace(choose_config(128, 8, 32), w1_half=True, w2_half=True, ring=r))
+        for r in (False, True)
+        for mode, m, k in W1_W2
+    ],
+    *[
+        (mode, m, k, replace(choose_config(t, 6, 32, 4096, 2048), w1_half=True, w2_half=True, ring=True))
+        for t in (128, 256)
+        for mode, m, k in (("w1", 4096, 4096), ("w2", 4096, 2048))
+    ],
     # stream_k W1 (equal window ranges per CTA slot) at N 8 / 16, ring mode and prepared rows
     *[
         ("w1", 4096, 7168, replace(choose_config(t, 8, 32), splits=(1, 1), stream_k=True, ring=r))
@@ -65,7 +77,7 @@ VARIANTS += GPT_OSS_VARIANTS
         else f"n{v.n_tile}s{v.stages}p{v.prefetch}o{v.occupancy}sp{v.splits[0]}{v.splits[1]}"
         f"{'' if v.warpgroups == 2 else 'wg4'}{'ring' if v.ring else ''}{'sk' if v.stream_k else ''}"
         f"{'clamp' if v.activation == 'swiglu_clamped' else ''}{'bias' if v.bias else ''}"
-        f"{'ef' if v.evict_first else ''}"
+        f"{'ef' if v.evict_first else ''}{'h1' if v.w1_half else ''}{'h2' if v.w2_half else ''}"
     ),
 )
 def test_grouped_kernel_sass(mode, m, k, cfg):
@@ -92,13 +104,15 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
         assert any(o.startswith("STG.E.U16") for o in ops)
     # the WGMMAs are pipelined: one wait per window (8 QGMMAs, 4 with 4 warpgroups) and the drain, not one after each
     # (ptxas C7513/C7515 serialisation)
+    half = cfg.w1_half if mode == "w1" else cfg.w2_half  # (one subtile per warpgroup, two CTAs per SM)
     qgmma, waits = len(re.findall(r"\bQGMMA\.", sass)), len(re.findall(r"WARPGROUP\.DEPBAR", sass))
-    assert waits * (4 if cfg.warpgroups == 2 else 2) <= qgmma, f"WGMMAs serialised: {waits} waits for {qgmma} QGMMAs"
-    if cfg.splits[0 if mode == "w1" else 1] > 1:  # K splits: cluster barriers, partials pushed to the leader
+    subs = 2 if cfg.warpgroups == 2 and not half else 1
+    assert waits * 2 * subs <= qgmma, f"WGMMAs serialised: {waits} waits for {qgmma} QGMMAs"
+    if cfg.splits[0 if mode == "w1" else 1] > 1 or (half and mode == "w1"):  # clusters: K splits, W1's half pairs
         assert "UCGABAR_ARV" in ops and "UCGABAR_WAIT" in ops
     assert not {o.split(".")[0] for o in ops} & {"LDL", "STL"}, "local-memory spills"
     assert kern.resources()["LOCAL"] == 0 and kern.resources()["STACK"] == 0
-    assert kern.resources()["REG"] <= (128 if cfg.occupancy == 2 or cfg.warpgroups == 4 else 255)
+    assert kern.resources()["REG"] <= (128 if cfg.occupancy == 2 or cfg.warpgroups == 4 or half else 255)
 
 
 _PLAIN_LOAD = re.compile(r"\bLDG\.E(?:\.64)?\s")  # a plain global load (not the ring's strong acquires)

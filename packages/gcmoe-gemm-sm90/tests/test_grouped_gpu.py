@@ -83,6 +83,10 @@ VARIANTS = {  # weights by bulk copy into the pipeline's stages (the only weight
     # a few dozen units over 2 x SMs CTAs, so every tile is split; prefetch 1: pieces of single windows)
     "stream-k": dict(prefetch=2, stream_k=True),
     "stream-k-p1": dict(prefetch=1, stream_k=True),
+    # CTAs of half an M tile (128 rows, one subtile per warpgroup, two CTAs per SM): W2 alone, and W1 too (its halves
+    # a cluster pair exchanging each token's maximum for the FP8 scale)
+    "w2-half": dict(prefetch=2, warpgroups=4, w2_half=True),
+    "half": dict(prefetch=2, warpgroups=4, w1_half=True, w2_half=True),
 }
 
 
@@ -92,8 +96,8 @@ VARIANTS = {  # weights by bulk copy into the pipeline's stages (the only weight
 def test_w1_then_w2_match_models(n_tile, routing, variant):
     if "split" in variant and n_tile >= 48:
         pytest.skip("K splits are for small token counts (N <= 32): the leader's partial buffers exceed shared memory")
-    if "4wg" in variant and n_tile > 64:
-        pytest.skip("4 warpgroups hold N <= 64 in 128 registers")
+    if ("4wg" in variant or "half" in variant) and n_tile > 64:
+        pytest.skip("4 warpgroups (and W2's half tiles) hold N <= 64 in 128 registers")
     if "stream-k" in variant and n_tile > 24:
         pytest.skip("stream_k is for small token counts (N <= 24)")
     cfg = Sm90Config(n_tile=n_tile, stages=3, **VARIANTS[variant])
@@ -210,6 +214,7 @@ RING_VARIANTS = {
     "n16": Sm90Config(n_tile=16, stages=3, prefetch=2),
     "n16-split2": Sm90Config(n_tile=16, stages=3, prefetch=1, splits=(2, 2)),
     "n32-4wg": Sm90Config(n_tile=32, stages=3, prefetch=2, warpgroups=4),
+    "n48-4wg-half": Sm90Config(n_tile=48, stages=3, prefetch=2, warpgroups=4, w1_half=True, w2_half=True),
     "n8-stream-k": Sm90Config(n_tile=8, stages=3, prefetch=2, stream_k=True),
     "n16-stream-k-p1": Sm90Config(n_tile=16, stages=3, prefetch=1, stream_k=True),
 }

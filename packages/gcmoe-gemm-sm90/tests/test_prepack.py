@@ -90,6 +90,19 @@ def test_can_implement_and_config_choice():
     assert choose_config(256, 8, 20, 5120, 1536).n_tile == 64  # e = 102: two passes of <= 64
     assert [choose_config(t, 8, 32).warpgroups for t in (32, 64, 128, 256)] == [2, 2, 4, 2]
     assert [choose_config(t, 8, 32).occupancy for t in (32, 64, 128, 256)] == [2, 2, 1, 1]
+    # W1 and W2 in half M tiles (two CTAs per SM) exactly where the N tile runs 4 warpgroups (one CTA per SM)
+    for t, half in ((1, False), (32, False), (64, False), (128, True), (256, False)):
+        c = choose_config(t, 8, 32)
+        assert c.w1_half == c.w2_half == half == (c.warpgroups == 4), t
+    assert all(choose_config(t, 6, 32, 4096, 2048).w1_half for t in (128, 256))  # V4-Flash: N 40, 64
+    with pytest.raises(ValueError, match="w1_half"):  # a cluster pair per M tile: no K splits, no stream_k
+        Sm90Config(n_tile=48, splits=(2, 1), w1_half=True)
+    with pytest.raises(ValueError, match="w1_half"):
+        Sm90Config(n_tile=16, stream_k=True, w1_half=True)
+    with pytest.raises(ValueError, match="w2_half"):  # one subtile of N 80 per warpgroup would spill at 128 registers
+        Sm90Config(n_tile=80, w2_half=True)
+    with pytest.raises(ValueError, match="w2_half"):
+        Sm90Config(n_tile=48, splits=(1, 2), w2_half=True)
     with pytest.raises(ValueError, match="n_tile"):
         Sm90Config(n_tile=20)
     with pytest.raises(ValueError, match="warpgroups"):
@@ -112,6 +125,13 @@ def test_k_splits_stages_and_shared_memory():
     for t in (1, 8, 32, 128, 256):  # every chosen configuration fits its occupancy's shared memory
         c = choose_config(t, 8, 32, 7168, 2048)
         assert smem_bytes(c, 7168, max(c.splits)) <= smem_limit(c.occupancy) and 2 <= c.stages <= 8
+        assert can_implement(7168, 2048, 32, c, splits=c.splits[1], half=c.w2_half) is None  # (W2 as it runs)
+    # W2's half tiles: two CTAs in half the SM's shared memory each, so fewer stages than one CTA of 4 warpgroups
+    from gcmoe_gemm_sm90.config import half_stages
+
+    half = choose_config(128, 8, 32, 7168, 2048)
+    assert half.w2_half and 2 <= half_stages(half, 2048) < half.stages
+    assert smem_bytes(replace(half, stages=half_stages(half, 2048)), 2048, 1, True) <= smem_limit(2)
     # W2 per expert after its W1 tiles (ring mode) exactly where W1 runs unsplit (measured: K-split W1 loses with it)
     for t in (1, 2, 4, 8, 128):
         for h, k in ((7168, 8), (4096, 6)):

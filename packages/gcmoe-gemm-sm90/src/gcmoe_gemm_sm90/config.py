@@ -36,6 +36,14 @@ ring_bm    rows per ring block (gcmoe-comm's BM): the grain of the L1_FULL tags;
 activation the W1 epilogue's activation, a compile-time choice: "swiglu" (silu(gate) * up) or "swiglu_clamped"
            (gpt-oss: gate = min(gate, limit), up = clamp(up, +-limit), gate * sigmoid(alpha gate) * (up + 1); alpha
            and limit are compiled in as constants; gcmoe_core.reference.Activation is the formula)
+w2_half    W2's CTAs take half an M tile (128 weight rows: one 64-row subtile per warpgroup, 256 threads, registers
+           <= 128, so two CTAs share an SM) instead of 256 rows (4 warpgroups, one CTA per SM): with one CTA per SM
+           each CTA's start (ring words, W1_DONE, the tile's scales, the first stages) and its epilogue leave the SM
+           idle, with two the other CTA streams meanwhile. N tiles <= 64, W2 unsplit; the stages are those that fit
+           half the SM's shared memory (half_stages)
+w1_half    the same for W1, whose two halves of an M tile run as a cluster of two CTAs: a token's FP8 scale covers the
+           tile's 128 intermediate columns, 64 in each half, so the halves exchange their maxima (one cluster barrier
+           per epilogue). W1 unsplit, not stream_k
 bias       W1 adds b13 (fp32 [E, 2I], gate then up entries) to gate and up before the activation; W2 adds
            route_w[row] * b2 (fp32 [E, M]) to each row before its bf16 store (h already carries the routing weight, so
            this is the routing weight times the biased expert output). Off (the default, as choose_config leaves both
@@ -91,6 +99,8 @@ class Sm90Config:
     swiglu_limit: float = 7.0
     bias: bool = False
     evict_first: bool = False  # the weight / scale bulk copies carry an L2 evict_first hint (read once)
+    w2_half: bool = False  # W2 CTAs of 128 weight rows, two per SM (see the module docstring)
+    w1_half: bool = False  # W1 likewise, its halves in clusters of two
 
     def __post_init__(self) -> None:
         if self.n_tile not in N_TILES:
@@ -113,21 +123,36 @@ class Sm90Config:
             raise ValueError(f"Sm90Config: ring_bm must be a positive multiple of 8, got {self.ring_bm}")
         if self.activation not in ("swiglu", "swiglu_clamped"):
             raise ValueError(f"Sm90Config: activation must be 'swiglu' or 'swiglu_clamped', got {self.activation!r}")
+        if self.w2_half and (self.n_tile > 64 or self.splits[1] != 1):
+            raise ValueError(f"Sm90Config: w2_half needs N tile <= 64 and W2 unsplit, got {self.n_tile}, {self.splits}")
+        if self.w1_half and (self.n_tile > 64 or self.splits[0] != 1 or self.stream_k):
+            raise ValueError(
+                f"Sm90Config: w1_half needs N tile <= 64 and W1 unsplit, not stream_k: {self.n_tile}, {self.splits}"
+            )
         for name in ("swiglu_alpha", "swiglu_limit"):
             v = getattr(self, name)
             if not isinstance(v, float) or not 0.0 < v < float("inf"):
                 raise ValueError(f"Sm90Config: {name} must be a finite float > 0, got {v!r}")
 
 
-def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1) -> int:
+def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1, half: bool = False) -> int:
     """Shared memory of one CTA of the kernel for reduction length k with `splits` K splits (the kernel's Shared
-    struct, plus alignment)."""
+    struct, plus alignment); half: a CTA of half an M tile (cfg.w1_half / w2_half: 128 rows, 256 threads)."""
     n, nw = cfg.n_tile, k // WINDOW_K
-    stage = n * WINDOW_K + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES
-    red = 4 * n * 4 * cfg.warpgroups  # the W1 epilogue's per-warp amax
+    rows = TILE_M // 2 if half else TILE_M
+    stage = n * WINDOW_K + rows * WINDOW_K // 2 + rows * 4  # activation box, weights, scale records
+    red = 4 * n * (8 if half else 4 * cfg.warpgroups)  # the W1 epilogue's per-warp amax
     fixed = 16 * cfg.stages + 128 + 16 + red + 4 * nw * n + 4 * n + 1024 + 128 + 16  # (+ W1's routing weights)
     fixed += 4 * 5 * 8 if cfg.stream_k else 4  # stream_k's table of a CTA's first 8 tiles
+    fixed += 8 * n if half else 4  # W1 half pairs: the partner's column maxima of two pieces
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)
+
+
+def half_stages(cfg: Sm90Config, k: int) -> int:
+    """Pipeline stages of a half-tile CTA (cfg.w1_half / w2_half) for reduction length k: as many (<= 8) as fit half
+    the SM's shared memory (two CTAs per SM)."""
+    fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k, 1, True) <= smem_limit(2)]
+    return max(fits, default=2)
 
 
 def smem_limit(occupancy: int) -> int:
@@ -203,10 +228,18 @@ def choose_config(
     from gcmoe_core.timing import fp4_layer_bytes
 
     weight_bytes = fp4_layer_bytes(hidden, inter, active + shared)
+    # W1 and W2 in half M tiles, two CTAs per SM, wherever the N tile runs 4 warpgroups (N 32-64, one CTA per SM):
+    # one CTA streams while the other starts or stores. The public layer, side by side, outputs bit-identical: W2's
+    # half tiles 1.025-1.034x faster at T = 128 / 256 (V4-Flash T = 128 218.9 -> 211.6 µs, T = 256 271.3 -> 264.7;
+    # DeepSeek-V3 T = 128 356.6 -> 346.3), at N 16 (two CTAs per SM already) 0.95-0.96x; then W1's 1.037-1.053x
+    # (V4-Flash 212.5 -> 203.5, 264.4 -> 251.1; DeepSeek-V3 T = 128 346.0 -> 333.8) (H200, 2026-12-02,
+    # tools/gpu/split_sweep.py --sweep w2_half / w1_half, docs/benchmarks/half-tiles-h200-2026-12-02.md)
     cfg = replace(
         cfg,
         stream_k=stream_k,
         evict_first=tokens_per_rank <= EVICT_FIRST_MAX_T and weight_bytes <= EVICT_FIRST_MAX_BYTES,
+        w2_half=warpgroups == 4 and splits[1] == 1,
+        w1_half=warpgroups == 4 and splits[0] == 1 and not stream_k,
     )
     return with_splits(cfg, (splits[0], splits[1]), hidden, inter)
 
@@ -245,16 +278,24 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
     unsplit: the layer 1.07-1.15x faster at T = 4-128 on DeepSeek-V3, 1.01-1.14x on V4-Flash at T = 2-128;
     0.965-0.988x where W1 runs in K-split clusters (both models at T = 1, V3 at T = 2), side by side on the H200,
     2026-11-30 (tools/gpu/split_sweep.py --sweep expert_sync, docs/benchmarks/expert-sync-h200-2026-11-30.md)."""
-    cfg = replace(cfg, splits=splits, expert_sync=splits[0] == 1, stream_k=cfg.stream_k and splits[0] == 1)
+    cfg = replace(
+        cfg,
+        splits=splits,
+        expert_sync=splits[0] == 1,
+        stream_k=cfg.stream_k and splits[0] == 1,
+        w2_half=cfg.w2_half and splits[1] == 1,
+        w1_half=cfg.w1_half and splits[0] == 1 and not cfg.stream_k,
+    )
     k_max, s_max = max(hidden, inter), max(splits)
     fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k_max, s_max) <= smem_limit(cfg.occupancy)]
     return replace(cfg, stages=min(max(fits), STREAM_K_STAGES) if cfg.stream_k else max(fits))
 
 
 def can_implement(
-    m: int, k: int, num_experts: int, cfg: Sm90Config, k_min: int = WINDOW_K, splits: int = 1
+    m: int, k: int, num_experts: int, cfg: Sm90Config, k_min: int = WINDOW_K, splits: int = 1, half: bool = False
 ) -> str | None:
-    """None if the kernel handles an [E, M, K] weight tensor with this config, else why not (pure Python)."""
+    """None if the kernel handles an [E, M, K] weight tensor with this config, else why not (pure Python); half: as
+    the W2 kernel of cfg.w2_half runs it (half an M tile per CTA, two CTAs per SM, half_stages)."""
     if m % TILE_M:
         return f"M = {m} must be a multiple of the {TILE_M}-row CTA tile"
     if k % WINDOW_K or k < k_min:
@@ -266,9 +307,10 @@ def can_implement(
         )
     if num_experts < 1 or num_experts > 2048:
         return f"experts = {num_experts} must be in 1..2048"
-    if smem_bytes(cfg, k, splits) > smem_limit(cfg.occupancy):
+    c, occupancy = (replace(cfg, stages=half_stages(cfg, k)), 2) if half else (cfg, cfg.occupancy)
+    if smem_bytes(c, k, splits, half) > smem_limit(occupancy):
         return (
-            f"{cfg.stages} stages at N tile {cfg.n_tile} and {splits} K splits need {smem_bytes(cfg, k, splits)} bytes "
-            f"of shared memory for K = {k}, over the {smem_limit(cfg.occupancy)} of occupancy {cfg.occupancy}"
+            f"{c.stages} stages at N tile {c.n_tile} and {splits} K splits need {smem_bytes(c, k, splits, half)} "
+            f"bytes of shared memory for K = {k}, over the {smem_limit(occupancy)} of occupancy {occupancy}"
         )
     return None

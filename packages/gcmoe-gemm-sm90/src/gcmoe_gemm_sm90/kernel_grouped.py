@@ -19,6 +19,12 @@ Threads (cfg.warpgroups): 2 warpgroups, warpgroup j owns rows [128 j, 128 j + 12
 64 rows; or 4 warpgroups (N 32-64: half the accumulator registers per thread, 16 warps per SM at one CTA per SM),
 warpgroup q owns subtile q % 2 of those rows of j = q // 2. The prepacked fragments and the epilogues' row / column
 mapping are the same in both.
+Half tiles (cfg.w1_half / cfg.w2_half, N <= 64): a CTA of 2 warpgroups takes 128 of the tile's rows (grid x: two CTAs
+per M tile, j = x % 2; warpgroup q its subtile q: the 4-warpgroup mapping), so two CTAs share an SM where one
+4-warpgroup CTA held it alone and one streams while the other starts or stores; a stage holds that half's 8 KB of
+weights and 512 B of scale records. W1's halves run as a cluster pair: a token's FP8 scale covers the tile's 128
+intermediate columns, 64 in each half, so each half sends its per-token maxima into the partner's shared memory and
+both scale by the larger (one cluster barrier per N tile; the pair's leader decides the ring acquire for both).
 Pipeline (PipelineTmaAsync, `stages` deep, one 128-K window per stage): warp 0 (the whole warp: the arrive and the TMA
 issue elect one lane with elect.sync, which hangs if only one lane runs it) fills a stage with the window's activation
 box by TMA and the window's 16 KB of prepacked weights and 1 KB of scale records by one bulk copy each, all on the
@@ -127,7 +133,7 @@ from gcmoe_core.kernel_helpers import (
 )
 from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_W1
 
-from .config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement
+from .config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement, half_stages
 from .decode_ptx import DECODE8_SPLIT_SIGN_PTX
 from .kernel_decode import decode8
 
@@ -172,6 +178,19 @@ class GroupedGemmSm90:
         self.wgs = cfg.warpgroups  # 2: each warpgroup two 64-row subtiles; 4: one each (half the registers per thread)
         self.subs = 4 // self.wgs  # subtiles per warpgroup
         self.threads = 128 * self.wgs
+        # cfg.w2_half (W2) / cfg.w1_half (W1): a CTA takes half of an M tile (grid x: 2 per M tile, rows 128 (x % 2)
+        # ..), warpgroup q its subtile q (as 4 warpgroups do), two CTAs per SM; its stages hold that half's weights and
+        # scale records. W1's two halves form a cluster: each token's FP8 scale spans the tile's 128 intermediate
+        # columns, 64 in each half, so the halves exchange their column maxima through shared memory (epilogue_w1)
+        self.half = cfg.w1_half if self.is_w1 else cfg.w2_half
+        self.pair = self.half and self.is_w1
+        self.clustered = self.splits > 1 or self.pair  # K-split clusters along z, W1's half pairs along x
+        self.occupancy = cfg.occupancy
+        self.w_bytes, self.s_bytes = WINDOW_WEIGHT_BYTES, WINDOW_SCALE_BYTES  # per stage
+        if self.half:
+            self.subs, self.threads, self.occupancy = 1, 256, 2
+            self.stages = half_stages(cfg, k)
+            self.w_bytes, self.s_bytes = WINDOW_WEIGHT_BYTES // 2, WINDOW_SCALE_BYTES // 2
         self.expert_sync = cfg.ring and cfg.expert_sync  # W1_DONE tags per expert instead of W2's grid-wide wait
         self.stream_k = cfg.stream_k and self.is_w1  # W1: a grid of `ctas` CTAs over equal window ranges
         self.clamped = cfg.activation == "swiglu_clamped"  # (gpt-oss) W1's clamped SwiGLU
@@ -226,12 +245,14 @@ class GroupedGemmSm90:
             red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
             ssx: cute.struct.MemRange[Float32, self.windows * self.n]
             srw: cute.struct.MemRange[Float32, self.n if self.is_w1 else 1]  # W1: the tile's routing weights
+            # W1 half pairs: the partner's column maxima, [piece parity][token column] (written by the partner)
+            xchg: cute.struct.MemRange[Float32, 2 * self.n if self.pair else 1]
             # stream_k: the CTA's first SK_TABLE tiles (window record base, first row, expert, N tile, M tile)
             skt: cute.struct.MemRange[Int32, SK_TABLE * 5 if self.stream_k else 1]
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
             # each stage's window of weights [8 fragments][128 threads][16 B] and scale records [256]
-            sW: cute.struct.Align[cute.struct.MemRange[Int32, WINDOW_WEIGHT_BYTES // 4 * self.stages], 128]
-            sS: cute.struct.Align[cute.struct.MemRange[Int32, WINDOW_SCALE_BYTES // 4 * self.stages], 16]
+            sW: cute.struct.Align[cute.struct.MemRange[Int32, self.w_bytes // 4 * self.stages], 128]
+            sS: cute.struct.Align[cute.struct.MemRange[Int32, self.s_bytes // 4 * self.stages], 16]
             # K splits: partial accumulators the cluster's other CTAs push to the leader, [split - 1][i][thread]
             part: cute.struct.Align[cute.struct.MemRange[Float32, part_words], 16]
 
@@ -257,13 +278,13 @@ class GroupedGemmSm90:
             b_smem_staged,
         ).launch(
             # ctas: stream_k's CTAs, else the grid rows (see the module docstring: Grid)
-            grid=[ctas, 1, 1] if self.stream_k else [self.m_tiles, ctas, self.splits],
+            grid=[ctas, 1, 1] if self.stream_k else [self.m_tiles * (2 if self.half else 1), ctas, self.splits],
             block=[self.threads, 1, 1],
-            cluster=[1, 1, self.splits] if self.splits > 1 else None,
+            cluster=[2, 1, 1] if self.pair else ([1, 1, self.splits] if self.splits > 1 else None),
             use_pdl=self.cfg.pdl,
             smem=Shared.size_in_bytes(),
             stream=stream,
-            min_blocks_per_mp=self.cfg.occupancy,  # occupancy 2 caps the registers at 128 (65536 / (2 * 256))
+            min_blocks_per_mp=self.occupancy,  # occupancy 2 caps the registers at 128 (65536 / (2 * 256))
             preferred_smem_carveout=100,  # (also keeps the DSL from querying a device at compile time)
         )
 
@@ -327,6 +348,17 @@ class GroupedGemmSm90:
         # warpgroup q: rows [128 wg, 128 wg + 128) of the tile; with 4 warpgroups only its subtile sb of them
         wg = tidx // 128 if self.wgs == 2 else tidx // 256
         sb = 0 if self.wgs == 2 else (tidx // 128) % 2  # first subtile (of 2) of the warpgroup's rows
+        wg_stage = wg  # the 128 rows of the stage's weights the thread reads (w2_half: the stage holds the CTA's only)
+        half_at = Int32(0)  # w2_half: the half of the M tile the CTA takes (0: rows 0-127, 1: rows 128-255)
+        crank = ks  # rank in the cluster: the K split, or W1's half (pairs along x)
+        if cutlass.const_expr(self.half):
+            wg = mt % 2  # (the tile's rows 128 wg .., as with 4 warpgroups; the stage holds only those)
+            sb = tidx // 128
+            wg_stage = Int32(0)
+            half_at = wg
+            if cutlass.const_expr(self.pair):
+                crank = wg
+            mt = mt // 2
         tw = tidx % 128
         lane = tidx % 32
         g = lane // 4
@@ -339,6 +371,9 @@ class GroupedGemmSm90:
         ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1))
         ssx = st.ssx.get_tensor(ssx_layout)  # [window, token column] of the current N tile
         srw = st.srw.get_tensor(cute.make_layout(n_tile if self.is_w1 else 1))  # W1: [token column]
+        xchg = st.xchg.get_tensor(
+            cute.make_layout((2, n_tile) if self.pair else 1, stride=(n_tile, 1) if self.pair else 1)
+        )
         sB = st.sB.get_tensor(b_smem_staged.outer, swizzle=b_smem_staged.inner)
         skt = st.skt.get_tensor(cute.make_layout((5, SK_TABLE if self.stream_k else 1)))
 
@@ -347,7 +382,7 @@ class GroupedGemmSm90:
             # (ring mode acquires them by their tags instead)
             cute.arch.griddepcontrol_wait()
         # ring mode: this call holds the workspace and dispatch published the ring's layout (sflag[0]: ok, [1]: g)
-        ok, gen = self.acquire_ring(sig, ticket, timeout_ns, sflag, tidx, ks)
+        ok, gen = self.acquire_ring(sig, ticket, timeout_ns, sflag, tidx, crank)
         # the CTA's work as pieces (see work_piece): the N tiles of one (expert, M tile), or with stream_k a range of
         # the windows of all tiles; the loads of the pieces in order (see load_coords)
         e = Int32(0)
@@ -410,7 +445,7 @@ class GroupedGemmSm90:
                     sflag[3] = Int32(0)
                 sflag[4] = Int32(sig[5] & 0xFFFFFFFF)
                 sflag[5] = Int32(sig[5] >> 32)
-                sflag[6] = Int32(self.m_tiles)
+                sflag[6] = Int32(self.m_tiles * (2 if self.half else 1))  # (W1's half tiles count each)
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom)
@@ -423,18 +458,19 @@ class GroupedGemmSm90:
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads // 32),
-            tx_count=b_bytes + WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES,
+            tx_count=b_bytes + self.w_bytes + self.s_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
         cute.arch.barrier()
-        if cutlass.const_expr(self.splits > 1):
-            # every CTA of the cluster has started before any pushes into the leader's shared memory
+        if cutlass.const_expr(self.clustered):
+            # every CTA of the cluster has started before any pushes into the leader's (partner's) shared memory
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
 
         # a stage's weights as [word, thread, fragment (wg, subtile, half), stage], its scale records [row, stage]
-        sW = st.sW.get_tensor(cute.make_layout((4, 128, 8, self.stages), stride=(1, 4, 512, 4096)))
-        sS = st.sS.get_tensor(cute.make_layout((TILE_M, self.stages), stride=(1, TILE_M)))
+        frags, srows = self.w_bytes // 2048, self.s_bytes // 4  # per stage: 16-byte fragments x 128 threads, rows
+        sW = st.sW.get_tensor(cute.make_layout((4, 128, frags, self.stages), stride=(1, 4, 512, self.w_bytes // 4)))
+        sS = st.sS.get_tensor(cute.make_layout((srows, self.stages), stride=(1, srows)))
         thr_mma = tiled_mma.get_slice(tw)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))  # (MMA, 1, 4 k32, stages)
         a_shape = thr_mma.partition_shape_A((64, WINDOW_K))
@@ -458,10 +494,11 @@ class GroupedGemmSm90:
         sbuf = cute.make_rmem_tensor((2, 2, depth), Int32)
         rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales [row u, sub] of the window in flight
 
-        srow0 = 128 * wg + 16 * wwarp + g  # CTA row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
-        # bulk-copy bases: the window records in global memory, the stages in shared memory
-        w_base = wq.iterator.toint()
-        s_base = ws.iterator.toint()
+        srow0 = 128 * wg_stage + 16 * wwarp + g  # stage row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
+        # bulk-copy bases: the window records in global memory (w2_half: the CTA's half of each), the stages in
+        # shared memory
+        w_base = wq.iterator.toint() + Int64(half_at) * self.w_bytes
+        s_base = ws.iterator.toint() + Int64(half_at) * self.s_bytes
         w_dst = st.sW.data_ptr().toint()
         s_dst = st.sS.data_ptr().toint()
         lc = (mt, e, row_base, w_lo, u0, num_experts, skt)  # what load_coords needs
@@ -564,7 +601,7 @@ class GroupedGemmSm90:
                         if cutlass.const_expr(self.subs == 2):
                             self.promote(acc1, accw1, rs, ssx, w - 1, t0, 1)
                     pipe.consumer_wait(cons)
-                    self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg, sb, tw, srow0, j)
+                    self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg_stage, sb, tw, srow0, j)
                     self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
                     if cutlass.const_expr(self.subs == 2 and not self.cfg.overlap):
                         self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
@@ -607,6 +644,8 @@ class GroupedGemmSm90:
                         acc1,
                         sred,
                         srw,
+                        xchg,
+                        piece % 2,
                         ep_b,
                         ep_c,
                         pmt,
@@ -644,20 +683,21 @@ class GroupedGemmSm90:
         return more
 
     @cute.jit
-    def acquire_ring(self, sig: tuple, ticket: Int32, timeout_ns: Int64, sflag: cute.Tensor, tidx: Int32, ks: Int32):
+    def acquire_ring(self, sig: tuple, ticket: Int32, timeout_ns: Int64, sflag: cute.Tensor, tidx: Int32, crank: Int32):
         """Ring mode: thread 0 waits for INUSE == ticket (this call holds the workspace), reads g = CGEN + 1 and waits
         for OFFS == g (the ring's offsets and counts of call g are written); every wait bounded, ended by a non-zero
         ERR, and recorded there on expiry. Where the words are already set, two round trips (ERR beside the INUSE
         acquire, CGEN beside OFFS under one fence): the layer 1.01x faster at T = 1 (H200, 2026-12-01,
-        docs/benchmarks/cta-start-h200-2026-12-01.md). Returns (ok, g) to every thread. With K splits the cluster's
-        leader decides for every CTA of the cluster (read from its shared memory after a cluster barrier): CTAs of
-        one cluster must agree on whether they work, or the split reduction's cluster barriers would not match.
+        docs/benchmarks/cta-start-h200-2026-12-01.md). Returns (ok, g) to every thread. In a cluster (K splits, W1's
+        half pairs; crank: the CTA's rank) the leader decides for every CTA of the cluster (read from its shared
+        memory after a cluster barrier): CTAs of one cluster must agree on whether they work, or the split
+        reduction's (the pair's exchange's) cluster barriers would not match.
         Without ring mode: (1, 0)."""
         ok = Int32(1)
         gen = Int32(0)
         if cutlass.const_expr(self.cfg.ring):
             inuse, cgen, offs_tag, err = sig[0], sig[1], sig[2], sig[3]
-            if tidx == 0 and ks == 0:
+            if tidx == 0 and crank == 0:
                 good = Int32(0)
                 g = Int32(0)
                 # two global round trips where the words are already set (a CTA launched after dispatch ranked the
@@ -684,10 +724,10 @@ class GroupedGemmSm90:
                         record_error(err, KIND_BUSY, 0, ticket, held)
                 sflag[0] = good
                 sflag[1] = g
-            if cutlass.const_expr(self.splits > 1):
+            if cutlass.const_expr(self.clustered):
                 cute.arch.cluster_arrive()
                 cute.arch.cluster_wait()
-                if tidx == 0 and ks != 0:
+                if tidx == 0 and crank != 0:
                     at = sflag.iterator.toint()
                     sflag[0] = ld_cluster_u32(at, 0)
                     sflag[1] = ld_cluster_u32(at + 4, 0)
@@ -822,9 +862,9 @@ class GroupedGemmSm90:
             # producer_acquire waits on that barrier (try_wait, acquire) before this copy is issued; the RAW side by
             # the full mbarrier the copy completes (complete_tx) and consumer_wait waits on. racecheck does not model
             # mbarriers (memcheck / synccheck are clean, values exact in every test)
-            bulk_copy_g2s(w_dst + stage * WINDOW_WEIGHT_BYTES, w_src, WINDOW_WEIGHT_BYTES, bar, hint)
+            bulk_copy_g2s(w_dst + stage * self.w_bytes, w_src, self.w_bytes, bar, hint)
             # racecheck-ordered: as above (the stage's empty / full mbarriers)
-            bulk_copy_g2s(s_dst + stage * WINDOW_SCALE_BYTES, s_src, WINDOW_SCALE_BYTES, bar, hint)
+            bulk_copy_g2s(s_dst + stage * self.s_bytes, s_src, self.s_bytes, bar, hint)
 
     @cute.jit
     def produce_acts(
@@ -1100,6 +1140,8 @@ class GroupedGemmSm90:
         acc1: cute.Tensor,
         sred: cute.Tensor,
         srw: cute.Tensor,
+        xchg: cute.Tensor,
+        slot: Int32,
         hq: cute.Tensor,
         hsT: cute.Tensor,
         mt: Int32,
@@ -1116,12 +1158,18 @@ class GroupedGemmSm90:
         """h = silu(gate) * up * rw per (token, intermediate column), the tile's routing weights rw staged in srw
         (0 past the expert's rows); FP8 per token per the tile's 128 columns.
         Subtile s of the warpgroup holds intermediate columns c_base + 32 (sb + s) (gate rows r, up rows r + 8).
+        W1 half pairs (cfg.w1_half: this CTA holds 64 of the 128 columns, half wg of the tile): each token's maximum
+        over the CTA's columns goes into the partner's xchg[slot] (slot: the piece's parity, so a partner still
+        reading one piece's maxima is never overwritten by the next piece's), one cluster barrier (release /
+        acquire), both scale by the larger of the two (the same value in both), half 0 writes the scales.
         cfg.bias / cfg.activation: gate and up get expert e's b13 entries, then the clamped activation."""
         ncol = self.n // 4
         hs = [cute.make_rmem_tensor(ncol, Float32) for _ in range(self.subs)]
         accs = (acc0, acc1)[: self.subs]
         warps = self.threads // 32
         warp = 4 * (wg * (self.wgs // 2) + sb) + wwarp
+        if cutlass.const_expr(self.half):
+            warp = 4 * sb + wwarp
         if cutlass.const_expr(self.bias):
             # the b13 entries of the thread's intermediate columns (one per subtile): gate at c, up at I + c
             bg = cute.make_rmem_tensor(self.subs, Float32)
@@ -1155,12 +1203,23 @@ class GroupedGemmSm90:
             if g == 0:
                 sred[col, warp] = m
         cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+        if cutlass.const_expr(self.pair):
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx < self.n:
+                m = sred[tidx, 0]
+                for k in cutlass.range_constexpr(1, warps):
+                    m = cute.arch.fmax(m, sred[tidx, k])
+                st_cluster_f32(xchg.iterator.toint() + 4 * (slot * self.n + tidx), 1 - wg, m)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
         c_base = 128 * mt + 64 * wg + 8 * wwarp + g + 32 * sb  # intermediate column of the thread's first subtile
         for c in cutlass.range_constexpr(ncol):
             col = 2 * t0 + (c % 2) + 8 * (c // 2)
             m = sred[col, 0]
             for k in cutlass.range_constexpr(1, warps):
                 m = cute.arch.fmax(m, sred[col, k])
+            if cutlass.const_expr(self.pair):
+                m = cute.arch.fmax(m, xchg[slot, col])
             ex = fp8_pow2_exponent(m)
             inv = bits_to_f32((127 - ex) << 23)
             if col < valid:
@@ -1171,7 +1230,11 @@ class GroupedGemmSm90:
                     hq[row, c_base + 32] = cutlass.Uint8((q2 >> 8) & 0xFF)
                 if warp == 0:
                     if g == 0:
-                        hsT[mt, row] = bits_to_f32((127 + ex) << 23)
+                        if cutlass.const_expr(self.pair):
+                            if wg == 0:
+                                hsT[mt, row] = bits_to_f32((127 + ex) << 23)
+                        else:
+                            hsT[mt, row] = bits_to_f32((127 + ex) << 23)
         cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
     @cute.jit
@@ -1270,7 +1333,8 @@ def fake_operands(mode: str, m: int, k: int, ranks_sym=None):
 def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
     """Compile one variant against fake tensors (dynamic expert count and row count). Refuses a variant the kernel
     would run wrong (e.g. a K split or unroll that does not divide the windows would silently skip some)."""
-    why = can_implement(m, k, 1, cfg, splits=cfg.splits[0 if mode == "w1" else 1])
+    half = cfg.w1_half if mode == "w1" else cfg.w2_half
+    why = can_implement(m, k, 1, cfg, splits=cfg.splits[0 if mode == "w1" else 1], half=half)
     if why:
         raise ValueError(f"sm90 {mode}: {why}")
     kern = GroupedGemmSm90(mode, m, k, cfg)
@@ -1288,5 +1352,5 @@ def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
         arch=arch,
         name=f"grouped_{mode}_m{m}_k{k}_n{cfg.n_tile}{'_ring' if cfg.ring else ''}{'_sk' if cfg.stream_k else ''}"
         f"{'_clamp' if cfg.activation == 'swiglu_clamped' else ''}{'_bias' if cfg.bias else ''}"
-        f"{'_ef' if cfg.evict_first else ''}",
+        f"{'_ef' if cfg.evict_first else ''}{'_half' if half else ''}",
     )
