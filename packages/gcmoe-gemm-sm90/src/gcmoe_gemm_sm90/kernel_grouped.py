@@ -348,8 +348,8 @@ class GroupedGemmSm90:
         # warpgroup q: rows [128 wg, 128 wg + 128) of the tile; with 4 warpgroups only its subtile sb of them
         wg = tidx // 128 if self.wgs == 2 else tidx // 256
         sb = 0 if self.wgs == 2 else (tidx // 128) % 2  # first subtile (of 2) of the warpgroup's rows
-        wg_stage = wg  # the 128 rows of the stage's weights the thread reads (w2_half: the stage holds the CTA's only)
-        half_at = Int32(0)  # w2_half: the half of the M tile the CTA takes (0: rows 0-127, 1: rows 128-255)
+        wg_stage = wg  # the stage's 128-row block the thread reads (half tiles: 0, the stage holds only the CTA's)
+        half_at = Int32(0)  # half tiles: the half of the M tile the CTA takes (0: rows 0-127, 1: rows 128-255)
         crank = ks  # rank in the cluster: the K split, or W1's half (pairs along x)
         if cutlass.const_expr(self.half):
             wg = mt % 2  # (the tile's rows 128 wg .., as with 4 warpgroups; the stage holds only those)
@@ -495,7 +495,7 @@ class GroupedGemmSm90:
         rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales [row u, sub] of the window in flight
 
         srow0 = 128 * wg_stage + 16 * wwarp + g  # stage row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
-        # bulk-copy bases: the window records in global memory (w2_half: the CTA's half of each), the stages in
+        # bulk-copy bases: the window records in global memory (half tiles: the CTA's half of each), the stages in
         # shared memory
         w_base = wq.iterator.toint() + Int64(half_at) * self.w_bytes
         s_base = ws.iterator.toint() + Int64(half_at) * self.s_bytes
