@@ -234,12 +234,16 @@ def choose_config(
     # DeepSeek-V3 T = 128 356.6 -> 346.3), at N 16 (two CTAs per SM already) 0.95-0.96x; then W1's 1.037-1.053x
     # (V4-Flash 212.5 -> 203.5, 264.4 -> 251.1; DeepSeek-V3 T = 128 346.0 -> 333.8) (H200, 2026-12-02,
     # tools/gpu/split_sweep.py --sweep w2_half / w1_half, docs/benchmarks/half-tiles-h200-2026-12-02.md)
+    halves = [
+        warpgroups == 4 and sp == 1 and not (w1 and stream_k) and can_implement(m, k, 1, cfg, half=True) is None
+        for (m, k), sp, w1 in zip(((2 * inter, hidden), (hidden, inter)), splits, (True, False))
+    ]
     cfg = replace(
         cfg,
         stream_k=stream_k,
         evict_first=tokens_per_rank <= EVICT_FIRST_MAX_T and weight_bytes <= EVICT_FIRST_MAX_BYTES,
-        w2_half=warpgroups == 4 and splits[1] == 1,
-        w1_half=warpgroups == 4 and splits[0] == 1 and not stream_k,
+        w1_half=halves[0],
+        w2_half=halves[1],
     )
     return with_splits(cfg, (splits[0], splits[1]), hidden, inter)
 
@@ -295,7 +299,7 @@ def can_implement(
     m: int, k: int, num_experts: int, cfg: Sm90Config, k_min: int = WINDOW_K, splits: int = 1, half: bool = False
 ) -> str | None:
     """None if the kernel handles an [E, M, K] weight tensor with this config, else why not (pure Python); half: as
-    the W2 kernel of cfg.w2_half runs it (half an M tile per CTA, two CTAs per SM, half_stages)."""
+    the kernel runs in half tiles (cfg.w1_half / w2_half: half an M tile per CTA, two CTAs per SM, half_stages)."""
     if m % TILE_M:
         return f"M = {m} must be a multiple of the {TILE_M}-row CTA tile"
     if k % WINDOW_K or k < k_min:
