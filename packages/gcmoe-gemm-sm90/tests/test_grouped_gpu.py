@@ -97,7 +97,7 @@ def test_w1_then_w2_match_models(n_tile, routing, variant):
     if "split" in variant and n_tile >= 48:
         pytest.skip("K splits are for small token counts (N <= 32): the leader's partial buffers exceed shared memory")
     if ("4wg" in variant or "half" in variant) and n_tile > 64:
-        pytest.skip("4 warpgroups (and W2's half tiles) hold N <= 64 in 128 registers")
+        pytest.skip("4 warpgroups (and half tiles) hold N <= 64 in 128 registers")
     if "stream-k" in variant and n_tile > 24:
         pytest.skip("stream_k is for small token counts (N <= 24)")
     cfg = Sm90Config(n_tile=n_tile, stages=3, **VARIANTS[variant])
