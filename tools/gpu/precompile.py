@@ -36,6 +36,7 @@ def layer_jobs(model: str, ep: int, tokens: list[int], half: bool = False) -> li
     from gcmoe.backends.sm90 import ring_kernel_config, token_bucket
     from gcmoe_core.config import MoEConfig
     from gcmoe_core.reference import Activation
+    from gcmoe_gemm_sm90.config import half_tiles_ok
     from gcmoe_gemm_sm90.ops import epilogue_flags, layer_config
 
     cfg = MoEConfig.ep_slice(model, ep, max_tokens_per_rank=max(256, *tokens))
@@ -46,9 +47,9 @@ def layer_jobs(model: str, ep: int, tokens: list[int], half: bool = False) -> li
     for t in tokens:
         kcfg = ring_kernel_config(layer_config(token_bucket(t), cfg.top_k, *shape, epilogue=flags))
         jobs += [("w1", 2 * i, h, kcfg), ("w2", h, i, kcfg)]
-        if half and kcfg.n_tile <= 64 and kcfg.splits[1] == 1:
+        if half and half_tiles_ok(kcfg, False):
             jobs.append(("w2", h, i, replace(kcfg, w2_half=not kcfg.w2_half)))
-        if half and kcfg.n_tile <= 64 and kcfg.splits[0] == 1 and not kcfg.stream_k:
+        if half and half_tiles_ok(kcfg, True):
             jobs.append(("w1", 2 * i, h, replace(kcfg, w1_half=not kcfg.w1_half)))
     return jobs
 

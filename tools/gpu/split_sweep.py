@@ -39,7 +39,7 @@ from gcmoe.backends.sm90 import Sm90Plan
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import calc_diff, make_tokens, make_weights
 from gcmoe_core.timing import L2_FLUSHES, capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
-from gcmoe_gemm_sm90.config import TILE_M, can_implement, with_splits
+from gcmoe_gemm_sm90.config import TILE_M, can_implement, half_tiles_ok, with_splits
 from gcmoe_gemm_sm90.ops import MoESm90
 
 ap = argparse.ArgumentParser()
@@ -102,11 +102,11 @@ for model in args.models:
             variants = {"chosen": chosen, "shared_last": chosen}
         elif args.sweep == "w1_half":
             variants = {"chosen": chosen}
-            if chosen.splits[0] == 1 and chosen.n_tile <= 64 and not chosen.stream_k:
+            if half_tiles_ok(chosen, True):
                 variants["flipped"] = replace(chosen, w1_half=not chosen.w1_half)
         elif args.sweep == "w2_half":
             variants = {"chosen": chosen}
-            if chosen.splits[1] == 1 and chosen.n_tile <= 64:
+            if half_tiles_ok(chosen, False):
                 variants["flipped"] = replace(chosen, w2_half=not chosen.w2_half)
             elif chosen.splits[1] == 1:
                 n64 = with_splits(replace(chosen, n_tile=64, warpgroups=4, occupancy=1), chosen.splits, h, i)

@@ -123,16 +123,22 @@ class Sm90Config:
             raise ValueError(f"Sm90Config: ring_bm must be a positive multiple of 8, got {self.ring_bm}")
         if self.activation not in ("swiglu", "swiglu_clamped"):
             raise ValueError(f"Sm90Config: activation must be 'swiglu' or 'swiglu_clamped', got {self.activation!r}")
-        if self.w2_half and (self.n_tile > 64 or self.splits[1] != 1):
-            raise ValueError(f"Sm90Config: w2_half needs N tile <= 64 and W2 unsplit, got {self.n_tile}, {self.splits}")
-        if self.w1_half and (self.n_tile > 64 or self.splits[0] != 1 or self.stream_k):
-            raise ValueError(
-                f"Sm90Config: w1_half needs N tile <= 64 and W1 unsplit, not stream_k: {self.n_tile}, {self.splits}"
-            )
+        for name, w1 in (("w1_half", True), ("w2_half", False)):
+            if getattr(self, name) and not half_tiles_ok(self, w1):
+                raise ValueError(
+                    f"Sm90Config: {name} needs N tile <= 64 and that GEMM unsplit (W1: not stream_k), got N "
+                    f"{self.n_tile}, splits {self.splits}, stream_k {self.stream_k}"
+                )
         for name in ("swiglu_alpha", "swiglu_limit"):
             v = getattr(self, name)
             if not isinstance(v, float) or not 0.0 < v < float("inf"):
                 raise ValueError(f"Sm90Config: {name} must be a finite float > 0, got {v!r}")
+
+
+def half_tiles_ok(cfg: Sm90Config, w1: bool) -> bool:
+    """Whether W1 (w1) / W2 of cfg can run in half tiles: N <= 64 (one subtile per warpgroup in 128 registers), that
+    GEMM unsplit, W1 not stream_k (its pieces are whole tiles)."""
+    return cfg.n_tile <= 64 and cfg.splits[0 if w1 else 1] == 1 and not (w1 and cfg.stream_k)
 
 
 def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1, half: bool = False) -> int:
@@ -234,9 +240,10 @@ def choose_config(
     # DeepSeek-V3 T = 128 356.6 -> 346.3), at N 16 (two CTAs per SM already) 0.95-0.96x; then W1's 1.037-1.053x
     # (V4-Flash 212.5 -> 203.5, 264.4 -> 251.1; DeepSeek-V3 T = 128 346.0 -> 333.8) (H200, 2026-12-02,
     # tools/gpu/split_sweep.py --sweep w2_half / w1_half, docs/benchmarks/half-tiles-h200-2026-12-02.md)
+    split_cfg = replace(cfg, splits=(splits[0], splits[1]), stream_k=stream_k)
     halves = [
-        warpgroups == 4 and sp == 1 and not (w1 and stream_k) and can_implement(m, k, 1, cfg, half=True) is None
-        for (m, k), sp, w1 in zip(((2 * inter, hidden), (hidden, inter)), splits, (True, False))
+        warpgroups == 4 and half_tiles_ok(split_cfg, w1) and can_implement(m, k, 1, cfg, half=True) is None
+        for (m, k), w1 in zip(((2 * inter, hidden), (hidden, inter)), (True, False))
     ]
     cfg = replace(
         cfg,
@@ -282,14 +289,15 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
     unsplit: the layer 1.07-1.15x faster at T = 4-128 on DeepSeek-V3, 1.01-1.14x on V4-Flash at T = 2-128;
     0.965-0.988x where W1 runs in K-split clusters (both models at T = 1, V3 at T = 2), side by side on the H200,
     2026-11-30 (tools/gpu/split_sweep.py --sweep expert_sync, docs/benchmarks/expert-sync-h200-2026-11-30.md)."""
-    cfg = replace(
+    c = replace(
         cfg,
         splits=splits,
         expert_sync=splits[0] == 1,
         stream_k=cfg.stream_k and splits[0] == 1,
-        w2_half=cfg.w2_half and splits[1] == 1,
-        w1_half=cfg.w1_half and splits[0] == 1 and not cfg.stream_k,
+        w1_half=False,
+        w2_half=False,
     )
+    cfg = replace(c, w1_half=cfg.w1_half and half_tiles_ok(c, True), w2_half=cfg.w2_half and half_tiles_ok(c, False))
     k_max, s_max = max(hidden, inter), max(splits)
     fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k_max, s_max) <= smem_limit(cfg.occupancy)]
     return replace(cfg, stages=min(max(fits), STREAM_K_STAGES) if cfg.stream_k else max(fits))
