@@ -7,19 +7,22 @@ fills where a GPU is present (on a CPU-only machine CuTe DSL compiles "compile o
 device step; `--list` prints the jobs anywhere.
 
     python tools/gpu/precompile.py --models deepseek-v4-flash deepseek-v3 --tokens 1 8 32 128 [--ep 8]
-        [--tests] [--workers 16] [--list]
+        [--tests] [--test-variants '*half'] [--half] [--workers 16] [--list]
 
 --models / --tokens: the public layer's kernels (MoEConfig.ep_slice(model, ep), the bucket of each T; ring mode,
 exactly what gcmoe's sm90 backend launches: gcmoe_gemm_sm90.ops.layer_config + ring_kernel_config).
 --tests: also the sm90 kernel tests' ring-mode variants (test_grouped_gpu.RING_VARIANTS, ring and prepared rows).
---half: also each bucket's W1 / W2 with the other cfg.w1_half / w2_half (where the N tile allows it; split_sweep
+--half: also each bucket's W1 / W2 with the other cfg.w1_half / w2_half (where half tiles run; split_sweep
 --sweep w1_half / w2_half).
+--test-variants PATTERN...: also the prepared-rows kernel tests' configs (test_grouped_gpu.VARIANTS whose names match
+the fnmatch patterns, every N tile the test runs them at; e.g. '*half' before `pytest -m sm90 -k half`).
 Prints one line per failed job and a summary; exits 1 if any job failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import importlib.util
 import multiprocessing as mp
 import sys
@@ -54,17 +57,37 @@ def layer_jobs(model: str, ep: int, tokens: list[int], half: bool = False) -> li
     return jobs
 
 
-def test_jobs() -> list[tuple]:
-    """The sm90 ring-mode kernel tests' variants, on the tests' shape (RING), in ring mode and on prepared rows."""
-    spec = importlib.util.spec_from_file_location("_sm90_ring_tests", RING_TESTS)
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location("_sm90_gpu_tests", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_jobs() -> list[tuple]:
+    """The sm90 ring-mode kernel tests' variants, on the tests' shape (RING), in ring mode and on prepared rows."""
+    mod = _load(RING_TESTS)
     h, i = mod.RING.hidden_size, mod.RING.intermediate_size
     jobs = []
     for cfg in mod.RING_VARIANTS.values():
         for ring in (False, True):
             c = replace(cfg, ring=ring)
             jobs += [("w1", 2 * i, h, c), ("w2", h, i, c)]
+    return jobs
+
+
+def grouped_test_jobs(patterns: list[str]) -> list[tuple]:
+    """The prepared-rows kernel tests' configs (test_grouped_gpu.grouped_config) of the VARIANTS matching patterns."""
+    mod = _load(RING_TESTS)
+    h, i = mod.SMALL.padded_hidden, mod.SMALL.padded_intermediate
+    jobs = []
+    for variant in mod.VARIANTS:
+        if not any(fnmatch.fnmatchcase(variant, p) for p in patterns):
+            continue
+        for n_tile in mod.GROUPED_N_TILES:
+            cfg = mod.grouped_config(n_tile, variant)
+            if not isinstance(cfg, str):
+                jobs += [("w1", 2 * i, h, cfg), ("w2", h, i, cfg)]
     return jobs
 
 
@@ -86,12 +109,16 @@ def main(argv=None) -> int:
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--tests", action="store_true", help="also the sm90 ring-mode kernel tests' variants")
     ap.add_argument("--half", action="store_true", help="also each bucket's W1 / W2 with the other w1/w2_half")
+    ap.add_argument(
+        "--test-variants", nargs="*", default=[], help="also test_grouped_gpu's VARIANTS matching these patterns"
+    )
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--list", action="store_true", help="print the jobs and compile nothing")
     args = ap.parse_args(argv)
     jobs = [j for model in args.models for j in layer_jobs(model, args.ep, args.tokens, args.half)]
     if args.tests:
         jobs += test_jobs()
+    jobs += grouped_test_jobs(args.test_variants) if args.test_variants else []
     jobs = list(dict.fromkeys(jobs))  # (configs are frozen dataclasses: equal jobs compile once)
     if args.list:
         for mode, m, k, cfg in jobs:

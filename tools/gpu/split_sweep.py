@@ -17,10 +17,10 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep evict_first  the weight streams with the L2 evict_first hint vs without (run it with --l2-flush write:
                          the hint matters where L2 holds dirty lines)
     --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
-    --sweep w1_half      the chosen W1 vs the other cfg.w1_half (flipped; N tiles <= 64, W1 unsplit, not stream_k)
-    --sweep w2_half      the chosen W2 vs the other cfg.w2_half (flipped: half an M tile per CTA, two CTAs per SM, or
-                         whole tiles; N tiles <= 64); above N 64 N 64 with 4 warpgroups, with and without half tiles
-                         (n64, n64_half)
+    --sweep w1_half      the chosen W1 vs the other cfg.w1_half (flipped; W1 unsplit, not stream_k); where neither
+                         GEMM runs half tiles also W2 in half tiles (w2_half), and both (both)
+    --sweep w2_half      the chosen W2 vs the other cfg.w2_half (flipped: half an M tile per CTA, two (N <= 16: four)
+                         CTAs per SM, or whole tiles; W2 unsplit)
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
                                     [--l2-flush read] [--out DIR]
@@ -104,13 +104,13 @@ for model in args.models:
             variants = {"chosen": chosen}
             if half_tiles_ok(chosen, True):
                 variants["flipped"] = replace(chosen, w1_half=not chosen.w1_half)
+                if not chosen.w2_half and half_tiles_ok(chosen, False):  # (where neither is chosen: W2 alone, and both)
+                    variants["w2_half"] = replace(chosen, w2_half=True)
+                    variants["both"] = replace(chosen, w1_half=True, w2_half=True)
         elif args.sweep == "w2_half":
             variants = {"chosen": chosen}
             if half_tiles_ok(chosen, False):
                 variants["flipped"] = replace(chosen, w2_half=not chosen.w2_half)
-            elif chosen.splits[1] == 1:
-                n64 = with_splits(replace(chosen, n_tile=64, warpgroups=4, occupancy=1), chosen.splits, h, i)
-                variants |= {"n64": n64, "n64_half": replace(n64, w2_half=True)}
         elif args.sweep == "l2_prefetch":
             variants = {"chosen": chosen, "no_prefetch": chosen}
         elif args.sweep == "grid":

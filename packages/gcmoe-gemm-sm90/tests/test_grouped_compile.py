@@ -42,6 +42,8 @@ VARIANTS = [
         for t in (128, 256)
         for mode, m, k in (("w1", 4096, 4096), ("w2", 4096, 2048))
     ],
+    # half tiles at N 80 (DeepSeek-V3 T = 256): one subtile of N 80 per warpgroup in 128 registers
+    *[(mode, m, k, replace(choose_config(256, 8, 32), w1_half=True, w2_half=True, ring=True)) for mode, m, k in W1_W2],
     # stream_k W1 (equal window ranges per CTA slot) at N 8 / 16, ring mode and prepared rows
     *[
         ("w1", 4096, 7168, replace(choose_config(t, 8, 32), splits=(1, 1), stream_k=True, ring=r))

@@ -99,8 +99,6 @@ def test_can_implement_and_config_choice():
         Sm90Config(n_tile=48, splits=(2, 1), w1_half=True)
     with pytest.raises(ValueError, match="w1_half"):
         Sm90Config(n_tile=16, stream_k=True, w1_half=True)
-    with pytest.raises(ValueError, match="w2_half"):  # one subtile of N 80 per warpgroup would spill at 128 registers
-        Sm90Config(n_tile=80, w2_half=True)
     with pytest.raises(ValueError, match="w2_half"):
         Sm90Config(n_tile=48, splits=(1, 2), w2_half=True)
     with pytest.raises(ValueError, match="n_tile"):

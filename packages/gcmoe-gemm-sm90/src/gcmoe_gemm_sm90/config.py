@@ -39,7 +39,7 @@ activation the W1 epilogue's activation, a compile-time choice: "swiglu" (silu(g
 w2_half    W2's CTAs take half an M tile (128 weight rows: one 64-row subtile per warpgroup, 256 threads, registers
            <= 128, so two CTAs share an SM) instead of 256 rows (4 warpgroups, one CTA per SM): with one CTA per SM
            each CTA's start (ring words, W1_DONE, the tile's scales, the first stages) and its epilogue leave the SM
-           idle, with two the other CTA streams meanwhile. N tiles <= 64, W2 unsplit; the stages are those that fit
+           idle, with two the other CTA streams meanwhile. W2 unsplit; the stages are those that fit
            half the SM's shared memory (half_stages)
 w1_half    the same for W1, whose two halves of an M tile run as a cluster of two CTAs: a token's FP8 scale covers the
            tile's 128 intermediate columns, 64 in each half, so the halves exchange their maxima (one cluster barrier
@@ -126,8 +126,8 @@ class Sm90Config:
         for name, w1 in (("w1_half", True), ("w2_half", False)):
             if getattr(self, name) and not half_tiles_ok(self, w1):
                 raise ValueError(
-                    f"Sm90Config: {name} needs N tile <= 64 and that GEMM unsplit (W1: not stream_k), got N "
-                    f"{self.n_tile}, splits {self.splits}, stream_k {self.stream_k}"
+                    f"Sm90Config: {name} needs that GEMM unsplit (W1: not stream_k), got splits {self.splits}, "
+                    f"stream_k {self.stream_k}"
                 )
         for name in ("swiglu_alpha", "swiglu_limit"):
             v = getattr(self, name)
@@ -136,9 +136,9 @@ class Sm90Config:
 
 
 def half_tiles_ok(cfg: Sm90Config, w1: bool) -> bool:
-    """Whether W1 (w1) / W2 of cfg can run in half tiles: N <= 64 (one subtile per warpgroup in 128 registers), that
-    GEMM unsplit, W1 not stream_k (its pieces are whole tiles)."""
-    return cfg.n_tile <= 64 and cfg.splits[0 if w1 else 1] == 1 and not (w1 and cfg.stream_k)
+    """Whether W1 (w1) / W2 of cfg can run in half tiles: that GEMM unsplit, W1 not stream_k (its pieces are whole
+    tiles). Every N tile fits: one 64-row subtile of N <= N_MAX = 80 per warpgroup compiles in <= 128 registers."""
+    return cfg.splits[0 if w1 else 1] == 1 and not (w1 and cfg.stream_k)
 
 
 def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1, half: bool = False) -> int:
@@ -154,10 +154,16 @@ def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1, half: bool = False) -> 
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)
 
 
+def half_occupancy(cfg: Sm90Config) -> int:
+    """CTAs per SM of a half-tile CTA: 4 at N <= 16 (64 registers: the rows in flight of two whole tiles), else 2."""
+    return 4 if cfg.n_tile <= 16 else 2
+
+
 def half_stages(cfg: Sm90Config, k: int) -> int:
     """Pipeline stages of a half-tile CTA (cfg.w1_half / w2_half) for reduction length k: as many (<= 8) as fit half
     the SM's shared memory (two CTAs per SM)."""
-    fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k, 1, True) <= smem_limit(2)]
+    occ = half_occupancy(cfg)
+    fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k, 1, True) <= smem_limit(occ)]
     return max(fits, default=2)
 
 
@@ -319,7 +325,7 @@ def can_implement(
         )
     if num_experts < 1 or num_experts > 2048:
         return f"experts = {num_experts} must be in 1..2048"
-    c, occupancy = (replace(cfg, stages=half_stages(cfg, k)), 2) if half else (cfg, cfg.occupancy)
+    c, occupancy = (replace(cfg, stages=half_stages(cfg, k)), half_occupancy(cfg)) if half else (cfg, cfg.occupancy)
     if smem_bytes(c, k, splits, half) > smem_limit(occupancy):
         return (
             f"{c.stages} stages at N tile {c.n_tile} and {splits} K splits need {smem_bytes(c, k, splits, half)} "
