@@ -15,7 +15,7 @@ Cases (CASES), every one on the shape CFG (H 1024, I 512, 16 experts, top-4 + 1 
     ring-<variant>    W1 / W2 in ring mode through the public layer with kernel_config forcing RING_CONFIGS[variant]:
                       plain (unsplit, W2 after the whole W1 grid), splitk (K split 2 / 2 in clusters), expert-sync (W2
                       per expert on W1_DONE), stream-k (W1 over K ranges with fp32 partials), wg4 (4 warpgroups, N 32);
-                      wg4-half / n8-half / n80-half (half M tiles: W1's cluster pairs; N 8 at four CTAs per SM);
+                      wg4-half / n80-half (half M tiles, W1's halves cluster pairs; N 32 / 80);
                       uniform and one_expert routing (one expert over two N tiles)
     layer-p2          2 virtual ranks of the layer with the real kernels (W2 scatters into the peer's combine buffer)
     rows-<variant>    W1 / W2 on prepared rows (not ring mode: the kernels' tests and benchmark path), ROW_CONFIGS
@@ -63,7 +63,6 @@ RING_CONFIGS = {
     "stream-k": Sm90Config(8, 3, 2, occupancy=2, expert_sync=True, stream_k=True),
     "wg4": Sm90Config(32, 2, 2, occupancy=1, warpgroups=4, expert_sync=True),
     "wg4-half": Sm90Config(32, 2, 2, occupancy=1, warpgroups=4, expert_sync=True, w1_half=True, w2_half=True),
-    "n8-half": Sm90Config(8, 3, 2, occupancy=2, expert_sync=True, w1_half=True, w2_half=True),  # 4 CTAs per SM
     "n80-half": Sm90Config(80, 3, 2, occupancy=1, expert_sync=True, w1_half=True, w2_half=True),
 }
 ROW_CONFIGS = {

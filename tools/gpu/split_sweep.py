@@ -19,8 +19,8 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
     --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
     --sweep w1_half      the chosen W1 vs the other cfg.w1_half (flipped; W1 unsplit, not stream_k); where neither
                          GEMM runs half tiles also W2 in half tiles (w2_half), and both (both)
-    --sweep w2_half      the chosen W2 vs the other cfg.w2_half (flipped: half an M tile per CTA, two (N <= 16: four)
-                         CTAs per SM, or whole tiles; W2 unsplit)
+    --sweep w2_half      the chosen W2 vs the other cfg.w2_half (flipped: half an M tile per CTA, two CTAs per SM, or
+                         whole tiles; W2 unsplit)
 
     python tools/gpu/split_sweep.py [--sweep splits] [--models deepseek-v3 deepseek-v4-flash] [--tokens 1 2]
                                     [--l2-flush read] [--out DIR]

@@ -229,7 +229,6 @@ RING_VARIANTS = {
     "n16-split2": Sm90Config(n_tile=16, stages=3, prefetch=1, splits=(2, 2)),
     "n32-4wg": Sm90Config(n_tile=32, stages=3, prefetch=2, warpgroups=4),
     "n48-4wg-half": Sm90Config(n_tile=48, stages=3, prefetch=2, warpgroups=4, w1_half=True, w2_half=True),
-    "n8-half": Sm90Config(n_tile=8, stages=3, prefetch=2, occupancy=2, w1_half=True, w2_half=True),  # 4 CTAs / SM
     "n80-half": Sm90Config(n_tile=80, stages=3, prefetch=2, w1_half=True, w2_half=True),
     "n8-stream-k": Sm90Config(n_tile=8, stages=3, prefetch=2, stream_k=True),
     "n16-stream-k-p1": Sm90Config(n_tile=16, stages=3, prefetch=1, stream_k=True),

@@ -90,10 +90,10 @@ def test_can_implement_and_config_choice():
     assert choose_config(256, 8, 20, 5120, 1536).n_tile == 64  # e = 102: two passes of <= 64
     assert [choose_config(t, 8, 32).warpgroups for t in (32, 64, 128, 256)] == [2, 2, 4, 2]
     assert [choose_config(t, 8, 32).occupancy for t in (32, 64, 128, 256)] == [2, 2, 1, 1]
-    # W1 and W2 in half M tiles (two CTAs per SM) exactly where the N tile runs 4 warpgroups (one CTA per SM)
-    for t, half in ((1, False), (32, False), (64, False), (128, True), (256, False)):
+    # W1 and W2 in half M tiles (two CTAs per SM) exactly where a whole tile holds an SM alone (N 32-80: occupancy 1)
+    for t, half in ((1, False), (32, False), (64, False), (128, True), (256, True)):
         c = choose_config(t, 8, 32)
-        assert c.w1_half == c.w2_half == half == (c.warpgroups == 4), t
+        assert c.w1_half == c.w2_half == half == (c.occupancy == 1), t
     assert all(choose_config(t, 6, 32, 4096, 2048).w1_half for t in (128, 256))  # V4-Flash: N 40, 64
     with pytest.raises(ValueError, match="w1_half"):  # a cluster pair per M tile: no K splits, no stream_k
         Sm90Config(n_tile=48, splits=(2, 1), w1_half=True)

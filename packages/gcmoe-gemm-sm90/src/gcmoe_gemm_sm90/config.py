@@ -154,16 +154,10 @@ def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1, half: bool = False) -> 
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)
 
 
-def half_occupancy(cfg: Sm90Config) -> int:
-    """CTAs per SM of a half-tile CTA: 4 at N <= 16 (64 registers: the rows in flight of two whole tiles), else 2."""
-    return 4 if cfg.n_tile <= 16 else 2
-
-
 def half_stages(cfg: Sm90Config, k: int) -> int:
     """Pipeline stages of a half-tile CTA (cfg.w1_half / w2_half) for reduction length k: as many (<= 8) as fit half
     the SM's shared memory (two CTAs per SM)."""
-    occ = half_occupancy(cfg)
-    fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k, 1, True) <= smem_limit(occ)]
+    fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k, 1, True) <= smem_limit(2)]
     return max(fits, default=2)
 
 
@@ -240,15 +234,18 @@ def choose_config(
     from gcmoe_core.timing import fp4_layer_bytes
 
     weight_bytes = fp4_layer_bytes(hidden, inter, active + shared)
-    # W1 and W2 in half M tiles, two CTAs per SM, wherever the N tile runs 4 warpgroups (N 32-64, one CTA per SM):
-    # one CTA streams while the other starts or stores. The public layer, side by side, outputs bit-identical: W2's
-    # half tiles 1.025-1.034x faster at T = 128 / 256 (V4-Flash T = 128 218.9 -> 211.6 µs, T = 256 271.3 -> 264.7;
-    # DeepSeek-V3 T = 128 356.6 -> 346.3), at N 16 (two CTAs per SM already) 0.95-0.96x; then W1's 1.037-1.053x
-    # (V4-Flash 212.5 -> 203.5, 264.4 -> 251.1; DeepSeek-V3 T = 128 346.0 -> 333.8) (H200, 2026-12-02,
-    # tools/gpu/split_sweep.py --sweep w2_half / w1_half, docs/benchmarks/half-tiles-h200-2026-12-02.md)
+    # W1 and W2 in half M tiles, two CTAs per SM, wherever a whole tile holds an SM alone (occupancy 1: N 32-80): one
+    # CTA streams while the other starts or stores. The public layer, side by side, outputs bit-identical: at N 32-64
+    # W2's half tiles 1.025-1.034x faster at T = 128 / 256 (V4-Flash T = 128 218.9 -> 211.6 µs, T = 256 271.3 ->
+    # 264.7; DeepSeek-V3 T = 128 356.6 -> 346.3), then W1's 1.037-1.053x (V4-Flash 212.5 -> 203.5, 264.4 -> 251.1;
+    # DeepSeek-V3 T = 128 346.0 -> 333.8); at N 80 (DeepSeek-V3 / GLM-5 T = 256) W2's 1.06 / 1.05x (485.7 -> 457.5,
+    # 436.0 -> 414.0), both 1.06 / 1.07x (457.0, 407.0); where two CTAs share an SM already (N <= 24) half tiles lose
+    # or tie: W1 0.95-0.97x at N 8 / 16 in 4 CTAs per SM, W2 0.99-1.01x, and 0.95-0.96x at two per SM (H200,
+    # 2026-12-02, tools/gpu/split_sweep.py --sweep w2_half / w1_half, docs/benchmarks/half-tiles-h200-2026-12-02.md,
+    # half-tiles-n80-h200-2026-12-02.md)
     split_cfg = replace(cfg, splits=(splits[0], splits[1]), stream_k=stream_k)
     halves = [
-        warpgroups == 4 and half_tiles_ok(split_cfg, w1) and can_implement(m, k, 1, cfg, half=True) is None
+        occupancy == 1 and half_tiles_ok(split_cfg, w1) and can_implement(m, k, 1, cfg, half=True) is None
         for (m, k), w1 in zip(((2 * inter, hidden), (hidden, inter)), (True, False))
     ]
     cfg = replace(
@@ -325,7 +322,7 @@ def can_implement(
         )
     if num_experts < 1 or num_experts > 2048:
         return f"experts = {num_experts} must be in 1..2048"
-    c, occupancy = (replace(cfg, stages=half_stages(cfg, k)), half_occupancy(cfg)) if half else (cfg, cfg.occupancy)
+    c, occupancy = (replace(cfg, stages=half_stages(cfg, k)), 2) if half else (cfg, cfg.occupancy)
     if smem_bytes(c, k, splits, half) > smem_limit(occupancy):
         return (
             f"{c.stages} stages at N tile {c.n_tile} and {splits} K splits need {smem_bytes(c, k, splits, half)} "

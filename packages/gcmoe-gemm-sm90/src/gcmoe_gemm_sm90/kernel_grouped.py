@@ -21,11 +21,10 @@ warpgroup q owns subtile q % 2 of those rows of j = q // 2. The prepacked fragme
 mapping are the same in both.
 Half tiles (cfg.w1_half / cfg.w2_half): a CTA of 2 warpgroups takes 128 of the tile's rows (grid x: two CTAs per M tile,
 j = x % 2; warpgroup q its subtile q: the 4-warpgroup mapping), so two CTAs share an SM where one whole-tile CTA held it
-alone (N <= 16: four where two did, half_occupancy) and one streams while another starts or stores; a stage holds that
-half's 8 KB of weights and 512 B of scale records. W1's halves run as a cluster pair: a token's FP8 scale covers the
-tile's 128 intermediate columns, 64 in each half, so each half sends its per-token maxima into the partner's shared
-memory and both scale by the larger (one cluster barrier per N tile; the pair's leader decides the ring acquire for
-both).
+alone and one streams while another starts or stores; a stage holds that half's 8 KB of weights and 512 B of scale
+records. W1's halves run as a cluster pair: a token's FP8 scale covers the tile's 128 intermediate columns, 64 in each
+half, so each half sends its per-token maxima into the partner's shared memory and both scale by the larger (one cluster
+barrier per N tile; the pair's leader decides the ring acquire for both).
 Pipeline (PipelineTmaAsync, `stages` deep, one 128-K window per stage): warp 0 (the whole warp: the arrive and the TMA
 issue elect one lane with elect.sync, which hangs if only one lane runs it) fills a stage with the window's activation
 box by TMA and the window's 16 KB of prepacked weights and 1 KB of scale records by one bulk copy each, all on the
@@ -134,7 +133,7 @@ from gcmoe_core.kernel_helpers import (
 )
 from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_W1
 
-from .config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement, half_occupancy, half_stages
+from .config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement, half_stages
 from .decode_ptx import DECODE8_SPLIT_SIGN_PTX
 from .kernel_decode import decode8
 
@@ -189,7 +188,7 @@ class GroupedGemmSm90:
         self.occupancy = cfg.occupancy
         self.w_bytes, self.s_bytes = WINDOW_WEIGHT_BYTES, WINDOW_SCALE_BYTES  # per stage
         if self.half:
-            self.subs, self.threads, self.occupancy = 1, 256, half_occupancy(cfg)
+            self.subs, self.threads, self.occupancy = 1, 256, 2
             self.stages = half_stages(cfg, k)
             self.w_bytes, self.s_bytes = WINDOW_WEIGHT_BYTES // 2, WINDOW_SCALE_BYTES // 2
         self.expert_sync = cfg.ring and cfg.expert_sync  # W1_DONE tags per expert instead of W2's grid-wide wait
