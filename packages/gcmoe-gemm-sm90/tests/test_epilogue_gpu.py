@@ -1,6 +1,6 @@
 """The gpt-oss epilogue variants of the sm90 grouped kernels on an H200 (prepared rows): W1 with b13 and the clamped
 SwiGLU, W2 with route_w * b2, against their torch models, on poisoned outputs, across N tiles, warpgroup counts,
-K splits and stream_k; the same problem without the flags gives other values (the flags are live)."""
+K splits, stream_k and half tiles; the same problem without the flags gives other values (the flags are live)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from gcmoe_core.config import MoEConfig
 from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.reference import Activation, MoEWeights
 from gcmoe_core.testing import Case, calc_diff, make_problem
-from gcmoe_gemm_sm90.config import Sm90Config
+from gcmoe_gemm_sm90.config import Sm90Config, with_halves
 from gcmoe_gemm_sm90.ops import MoESm90, StreamKScratch, emulate_w1, emulate_w2, launch_w1, w2
 from gcmoe_gemm_sm90.prepack import unpack_sm90
 
@@ -22,6 +22,8 @@ VARIANTS = {
     "split2": dict(prefetch=1, splits=(2, 2)),
     "4wg": dict(prefetch=2, warpgroups=4),
     "stream-k": dict(prefetch=2, stream_k=True),
+    # half M tiles (W1's halves a cluster pair sharing each token's maximum; above N 64 W2's bias keeps whole tiles)
+    "half": dict(prefetch=2, warpgroups=4, w1_half=True, w2_half=True),
 }
 
 
@@ -38,7 +40,12 @@ def test_clamped_biased_w1_w2_match_their_models(routing, n_tile, variant):
         pytest.skip("K splits / stream_k are for small token counts")
     if "4wg" in variant and n_tile > 64:
         pytest.skip("4 warpgroups hold N <= 64 in 128 registers")
-    cfg = Sm90Config(n_tile=n_tile, stages=3, activation="swiglu_clamped", bias=True, **VARIANTS[variant])
+    params = dict(VARIANTS[variant])
+    halves = params.pop("w1_half", False), params.pop("w2_half", False)
+    if any(halves) and n_tile > 64:
+        params["warpgroups"] = 2  # (whole tiles above N 64 run 2 warpgroups, as choose_config runs them)
+    cfg = with_halves(Sm90Config(n_tile=n_tile, stages=3, activation="swiglu_clamped", bias=True, **params), *halves)
+    assert cfg.w1_half == halves[0] and cfg.w2_half == (halves[1] and n_tile <= 64)
     x, ids, w, weights, _ = make_problem(Case(SHAPE, 37, routing, seed=n_tile), device="cuda")
     g = torch.Generator(device="cuda").manual_seed(n_tile)
     b13 = torch.randn(8, 512, generator=g, device="cuda") * 4.0

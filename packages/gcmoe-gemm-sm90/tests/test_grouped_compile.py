@@ -11,6 +11,7 @@ import pytest
 
 from gcmoe_core.cutedsl import sass_opcodes
 from gcmoe_gemm_sm90.config import Sm90Config, choose_config, with_splits
+from gcmoe_gemm_sm90.ops import layer_config
 
 pytestmark = pytest.mark.compile
 
@@ -52,13 +53,14 @@ VARIANTS = [
     ],
 ]
 # gpt-oss (H = I = 2880, padded to 3072 / 2944 at load): clamped SwiGLU + biases, as the operator runs them (ring
-# mode; EP8 slices of the 120b: 16 experts, N 8 K-split / 16 / 80 with 2 warpgroups; the 20b: N 48, 4 warpgroups),
+# mode; EP8 slices of the 120b: 16 experts, N 8 K-split / 16 / 80 with 2 warpgroups, W1 in half tiles at N 80; the
+# 20b: N 48, both in half tiles),
 # on prepared rows, stream_k, and each flag alone
 GPT_OSS = (("w1", 2 * 2944, 3072), ("w2", 3072, 2944))
 EPILOGUE = {"activation": "swiglu_clamped", "bias": True}
 GPT_OSS_VARIANTS = [
     *[
-        (mode, m, k, replace(choose_config(t, 4, e, 3072, 2944), ring=True, **EPILOGUE))
+        (mode, m, k, replace(layer_config(t, 4, e, 3072, 2944, 0, epilogue=EPILOGUE), ring=True))
         for t, e in ((1, 16), (32, 16), (256, 16), (256, 32))
         for mode, m, k in GPT_OSS
     ],

@@ -13,7 +13,7 @@ from gcmoe_core.grouping import group_rows, grouped_forward
 from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import Case, make_problem
 from gcmoe_gemm_sm90.config import Sm90Config, can_implement, choose_config
-from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2
+from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2, layer_config
 from gcmoe_gemm_sm90.prepack import decode_prepacked_reference, effective_weights_sm90, prepack_sm90, unpack_sm90
 
 
@@ -101,6 +101,13 @@ def test_can_implement_and_config_choice():
         Sm90Config(n_tile=16, stream_k=True, w1_half=True)
     with pytest.raises(ValueError, match="w2_half"):
         Sm90Config(n_tile=48, splits=(1, 2), w2_half=True)
+    with pytest.raises(ValueError, match="w2_half"):  # W2's bias epilogue in a half tile spills above N 64
+        Sm90Config(n_tile=80, bias=True, w2_half=True)
+    # the layer's epilogue flags keep the halves half_tiles_ok allows with them (gpt-oss EP8 at T = 256: N 80)
+    flags = {"activation": "swiglu_clamped", "bias": True}
+    oss = layer_config(256, 4, 16, 3072, 2944, 0, epilogue=flags)
+    assert (oss.n_tile, oss.w1_half, oss.w2_half, oss.bias) == (80, True, False, True)
+    assert layer_config(128, 4, 16, 3072, 2944, 0, epilogue=flags).w2_half  # N 48: both halves
     with pytest.raises(ValueError, match="n_tile"):
         Sm90Config(n_tile=20)
     with pytest.raises(ValueError, match="warpgroups"):

@@ -126,8 +126,8 @@ class Sm90Config:
         for name, w1 in (("w1_half", True), ("w2_half", False)):
             if getattr(self, name) and not half_tiles_ok(self, w1):
                 raise ValueError(
-                    f"Sm90Config: {name} needs that GEMM unsplit (W1: not stream_k), got splits {self.splits}, "
-                    f"stream_k {self.stream_k}"
+                    f"Sm90Config: {name} needs that GEMM unsplit (W1: not stream_k; W2 with bias: N <= 64), got "
+                    f"splits {self.splits}, stream_k {self.stream_k}, N {self.n_tile}, bias {self.bias}"
                 )
         for name in ("swiglu_alpha", "swiglu_limit"):
             v = getattr(self, name)
@@ -137,8 +137,16 @@ class Sm90Config:
 
 def half_tiles_ok(cfg: Sm90Config, w1: bool) -> bool:
     """Whether W1 (w1) / W2 of cfg can run in half tiles: that GEMM unsplit, W1 not stream_k (its pieces are whole
-    tiles). Every N tile fits: one 64-row subtile of N <= N_MAX = 80 per warpgroup compiles in <= 128 registers."""
-    return cfg.splits[0 if w1 else 1] == 1 and not (w1 and cfg.stream_k)
+    tiles). One 64-row subtile of N <= N_MAX = 80 per warpgroup compiles in <= 128 registers, except W2 with its bias
+    epilogue (route_w * b2) above N 64, which spills (ptxas, gpt-oss at N 80)."""
+    if w1:
+        return cfg.splits[0] == 1 and not cfg.stream_k
+    return cfg.splits[1] == 1 and (cfg.n_tile <= 64 or not cfg.bias)
+
+
+def with_halves(cfg: Sm90Config, w1_half: bool, w2_half: bool) -> Sm90Config:
+    """cfg with W1 / W2 in half tiles where asked and half_tiles_ok allows it."""
+    return replace(cfg, w1_half=w1_half and half_tiles_ok(cfg, True), w2_half=w2_half and half_tiles_ok(cfg, False))
 
 
 def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1, half: bool = False) -> int:
@@ -300,7 +308,7 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
         w1_half=False,
         w2_half=False,
     )
-    cfg = replace(c, w1_half=cfg.w1_half and half_tiles_ok(c, True), w2_half=cfg.w2_half and half_tiles_ok(c, False))
+    cfg = with_halves(c, cfg.w1_half, cfg.w2_half)
     k_max, s_max = max(hidden, inter), max(splits)
     fits = [st for st in range(2, 9) if smem_bytes(replace(cfg, stages=st), k_max, s_max) <= smem_limit(cfg.occupancy)]
     return replace(cfg, stages=min(max(fits), STREAM_K_STAGES) if cfg.stream_k else max(fits))

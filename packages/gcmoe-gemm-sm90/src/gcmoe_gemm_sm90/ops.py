@@ -30,7 +30,7 @@ from gcmoe_core.formats import MXFP4Tensor
 from gcmoe_core.grouping import Activations, RowLayout
 from gcmoe_core.reference import SWIGLU, Activation, MoEWeights, w1_reference, w2_reference
 
-from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config
+from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config, with_halves
 from .prepack import PackedSm90, lut_words, prepack_sm90
 
 
@@ -406,12 +406,15 @@ def layer_config(
 ) -> Sm90Config:
     """The kernel configuration of a layer (its prepacked, padded H and I; shared experts riding the routed experts'
     launch) for `tokens` tokens per rank on `sms` SMs: choose_config's (or `forced`), one window per loop step where
-    K / 128 is odd, and the layer's epilogue flags (epilogue_flags). Without the weights: what MoESm90.config_for
-    returns, for tools that compile a layer's kernels ahead of it (tools/gpu/precompile.py)."""
+    K / 128 is odd, and the layer's epilogue flags (epilogue_flags), its half tiles kept where half_tiles_ok allows
+    them with the flags. Without the weights: what MoESm90.config_for returns, for tools that compile a layer's
+    kernels ahead of it (tools/gpu/precompile.py)."""
     cfg = forced or choose_config(tokens, top_k, num_routed, hidden, inter, sms, num_shared)
     if min(hidden, inter) // WINDOW_K % cfg.prefetch:
         cfg = replace(cfg, prefetch=1)
-    return replace(cfg, **epilogue) if epilogue else cfg
+    if not epilogue:
+        return cfg
+    return with_halves(replace(cfg, w1_half=False, w2_half=False, **epilogue), cfg.w1_half, cfg.w2_half)
 
 
 def emulate_w1(
