@@ -12,8 +12,8 @@ device step; `--list` prints the jobs anywhere.
 --models / --tokens: the public layer's kernels (MoEConfig.ep_slice(model, ep), the bucket of each T; ring mode,
 exactly what gcmoe's sm90 backend launches: gcmoe_gemm_sm90.ops.layer_config + ring_kernel_config).
 --tests: also the sm90 kernel tests' ring-mode variants (test_grouped_gpu.RING_VARIANTS, ring and prepared rows).
---half: also each bucket's W1 / W2 with the other cfg.w1_half / w2_half (where half tiles run; split_sweep
---sweep w1_half / w2_half).
+--half: also each bucket's W1 / W2 with the other cfg.w2_half and the variants of half_variants (split_sweep
+--sweep w2_half / w1_half).
 --test-variants PATTERN...: also the prepared-rows kernel tests' configs (test_grouped_gpu.VARIANTS whose names match
 the fnmatch patterns, every N tile the test runs them at; e.g. '*half' before `pytest -m sm90 -k half`).
 Prints one line per failed job and a summary; exits 1 if any job failed.
@@ -34,6 +34,26 @@ ROOT = Path(__file__).resolve().parents[2]
 RING_TESTS = ROOT / "packages" / "gcmoe-gemm-sm90" / "tests" / "test_grouped_gpu.py"
 
 
+def half_variants(cfg, hidden: int, inter: int) -> dict:
+    """split_sweep --sweep w1_half's variants of a chosen kernel config (precompile --half compiles them): W1's half
+    tiles toggled (flipped); where neither GEMM runs half tiles, W2 in half tiles (w2_half) and both (both); where a
+    GEMM is K-split or W1 stream_k, both unsplit in half tiles (halves_unsplit: a tile's two CTAs split its rows,
+    not its K windows: no partial sums to add)."""
+    from gcmoe_gemm_sm90.config import half_tiles_ok, with_halves, with_splits
+
+    variants = {}
+    if half_tiles_ok(cfg, True):
+        variants["flipped"] = replace(cfg, w1_half=not cfg.w1_half)
+        if not cfg.w2_half and half_tiles_ok(cfg, False):
+            variants["w2_half"] = replace(cfg, w2_half=True)
+            variants["both"] = replace(cfg, w1_half=True, w2_half=True)
+    if cfg.splits != (1, 1) or cfg.stream_k:
+        variants["halves_unsplit"] = with_halves(
+            with_splits(replace(cfg, stream_k=False), (1, 1), hidden, inter), True, True
+        )
+    return variants
+
+
 def layer_jobs(model: str, ep: int, tokens: list[int], half: bool = False) -> list[tuple]:
     """(mode, M, K, config) of W1 and W2 for each T's bucket of the model's EP slice, as the layer launches them."""
     from gcmoe.backends.sm90 import ring_kernel_config, token_bucket
@@ -50,10 +70,10 @@ def layer_jobs(model: str, ep: int, tokens: list[int], half: bool = False) -> li
     for t in tokens:
         kcfg = ring_kernel_config(layer_config(token_bucket(t), cfg.top_k, *shape, epilogue=flags))
         jobs += [("w1", 2 * i, h, kcfg), ("w2", h, i, kcfg)]
-        if half and half_tiles_ok(kcfg, False):
+        if half and half_tiles_ok(kcfg, False):  # (split_sweep --sweep w2_half)
             jobs.append(("w2", h, i, replace(kcfg, w2_half=not kcfg.w2_half)))
-        if half and half_tiles_ok(kcfg, True):
-            jobs.append(("w1", 2 * i, h, replace(kcfg, w1_half=not kcfg.w1_half)))
+        for v in half_variants(kcfg, h, i).values() if half else ():
+            jobs += [("w1", 2 * i, h, v), ("w2", h, i, v)]
     return jobs
 
 

@@ -18,7 +18,8 @@ chosen kernel configuration and with variants of it forced, interleaved, cold L2
                          the hint matters where L2 holds dirty lines)
     --sweep l2_prefetch  the shared experts' W1 prefetched into L2 beside the comm kernels (the default) vs not
     --sweep w1_half      the chosen W1 vs the other cfg.w1_half (flipped; W1 unsplit, not stream_k); where neither
-                         GEMM runs half tiles also W2 in half tiles (w2_half), and both (both)
+                         GEMM runs half tiles also W2 in half tiles (w2_half), and both (both); where a GEMM is
+                         K-split or stream_k, both unsplit in half tiles (halves_unsplit): precompile.half_variants
     --sweep w2_half      the chosen W2 vs the other cfg.w2_half (flipped: half an M tile per CTA, two CTAs per SM, or
                          whole tiles; W2 unsplit)
 
@@ -33,6 +34,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from precompile import half_variants  # (tools/gpu, the script's own folder)
 
 import gcmoe
 from gcmoe.backends.sm90 import Sm90Plan
@@ -101,12 +103,7 @@ for model in args.models:
         elif args.sweep == "first":
             variants = {"chosen": chosen, "shared_last": chosen}
         elif args.sweep == "w1_half":
-            variants = {"chosen": chosen}
-            if half_tiles_ok(chosen, True):
-                variants["flipped"] = replace(chosen, w1_half=not chosen.w1_half)
-                if not chosen.w2_half and half_tiles_ok(chosen, False):  # (where neither is chosen: W2 alone, and both)
-                    variants["w2_half"] = replace(chosen, w2_half=True)
-                    variants["both"] = replace(chosen, w1_half=True, w2_half=True)
+            variants = {"chosen": chosen, **half_variants(chosen, h, i)}
         elif args.sweep == "w2_half":
             variants = {"chosen": chosen}
             if half_tiles_ok(chosen, False):
