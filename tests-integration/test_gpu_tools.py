@@ -616,6 +616,38 @@ def test_precompile_lists_the_layers_kernels_and_the_ring_tests_variants(capsys)
     assert len(out) == 2 + len(tests) and out[0].startswith("w1 4096 7168 Sm90Config(")
 
 
+def test_precompile_half_variants_and_the_grouped_tests_configs():
+    """--half: split_sweep's half-tile variants of each bucket (half_variants), only configurations the kernel takes;
+    --test-variants: exactly the configurations test_grouped_gpu.py runs (grouped_config), skipped pairs left out."""
+    from gcmoe.backends.sm90 import ring_kernel_config
+    from gcmoe_gemm_sm90.config import choose_config
+    from gcmoe_gemm_sm90.ops import layer_config
+
+    split = choose_config(1, 6, 32, 4096, 2048, shared=1)  # V4-Flash T = 1: K splits (2, 2)
+    v = precompile.half_variants(split, 4096, 2048)
+    assert split.splits == (2, 2) and list(v) == ["halves_unsplit"]
+    hu = v["halves_unsplit"]
+    assert hu.splits == (1, 1) and hu.w1_half and hu.w2_half and not hu.stream_k and hu.expert_sync
+    n80 = choose_config(256, 8, 32, shared=1)  # DeepSeek-V3 T = 256: both halves chosen at N 80
+    assert n80.n_tile == 80 and n80.w1_half and n80.w2_half
+    assert list(precompile.half_variants(n80, 7168, 2048)) == ["flipped"]
+    oss = layer_config(256, 4, 16, 3072, 2944, 0, epilogue={"activation": "swiglu_clamped", "bias": True})
+    assert oss.n_tile == 80 and oss.w1_half and not oss.w2_half  # W2's bias epilogue: whole tiles above N 64
+    assert not any(c.w2_half for c in precompile.half_variants(oss, 3072, 2944).values())
+    jobs = precompile.layer_jobs("deepseek-v4-flash", 8, [1], half=True)
+    assert ("w1", 4096, 4096, ring_kernel_config(hu)) in jobs
+    mod = precompile._load(precompile.RING_TESTS)
+    grouped = precompile.grouped_test_jobs(["*half"])
+    want = [
+        c
+        for n in mod.GROUPED_N_TILES
+        for name in ("w2-half", "half")
+        if not isinstance(c := mod.grouped_config(n, name), str)
+    ]
+    assert sorted({c for *_, c in grouped}, key=repr) == sorted(set(want), key=repr)
+    assert len(grouped) == 2 * len(want) and all(c.w2_half for *_, c in grouped)
+
+
 # ------------------------------------------------------------------------------------------------ ncu_source
 def _source_page() -> str:
     """Two kernels as ncu's source page prints them: W1 (a byte store) then W2 (the bf16 scatter)."""

@@ -39,10 +39,11 @@ from precompile import half_variants  # (tools/gpu, the script's own folder)
 import gcmoe
 from gcmoe.backends.sm90 import Sm90Plan
 from gcmoe_core.config import MoEConfig
+from gcmoe_core.reference import Activation
 from gcmoe_core.testing import calc_diff, make_tokens, make_weights
 from gcmoe_core.timing import L2_FLUSHES, capture_graph, copy_bandwidth, fp4_floor_us, run_meta, time_interleaved
 from gcmoe_gemm_sm90.config import TILE_M, can_implement, half_tiles_ok, with_splits
-from gcmoe_gemm_sm90.ops import MoESm90
+from gcmoe_gemm_sm90.ops import epilogue_flags, layer_config
 
 ap = argparse.ArgumentParser()
 ap.add_argument(
@@ -74,10 +75,11 @@ recs = []
 for model in args.models:
     cfg = MoEConfig.ep_slice(model, args.ep, max_tokens_per_rank=256)
     weights = make_weights(cfg, 1, "cuda")
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    moe = MoESm90.from_weights(weights)
+    h, i = cfg.padded_hidden, cfg.padded_intermediate  # (the kernels' shapes: gpt-oss pads 2880 to 3072 / 2944)
+    shape = (cfg.local_experts, h, i, cfg.num_shared_experts)
+    flags = epilogue_flags(Activation.of(cfg), cfg.has_bias)
     for t in args.tokens:
-        chosen = moe.config_for(t, cfg.top_k)
+        chosen = layer_config(t, cfg.top_k, *shape, epilogue=flags)  # (what MoESm90.config_for returns)
         x, ids, w = make_tokens(cfg, t, "uniform", t, device="cuda")
         graphs, outs, layers = {}, {}, []
         if args.sweep == "splits":
@@ -178,7 +180,7 @@ for model in args.models:
         first = next(iter(outs.values()))
         diffs = {f"{name}_calc_diff": calc_diff(y, first) for name, y in outs.items()}
         active = int(torch.unique(ids).numel()) + cfg.num_shared_experts
-        floor = fp4_floor_us(h, i, active, bw)
+        floor = fp4_floor_us(cfg.hidden_size, cfg.intermediate_size, active, bw)
         rec = {
             "model": model,
             "ep": args.ep,
