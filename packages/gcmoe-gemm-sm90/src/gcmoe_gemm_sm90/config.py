@@ -247,10 +247,11 @@ def choose_config(
     # W2's half tiles 1.025-1.034x faster at T = 128 / 256 (V4-Flash T = 128 218.9 -> 211.6 µs, T = 256 271.3 ->
     # 264.7; DeepSeek-V3 T = 128 356.6 -> 346.3), then W1's 1.037-1.053x (V4-Flash 212.5 -> 203.5, 264.4 -> 251.1;
     # DeepSeek-V3 T = 128 346.0 -> 333.8); at N 80 (DeepSeek-V3 / GLM-5 T = 256) W2's 1.06 / 1.05x (485.7 -> 457.5,
-    # 436.0 -> 414.0), both 1.06 / 1.07x (457.0, 407.0); where two CTAs share an SM already (N <= 24) half tiles lose
-    # or tie: W1 0.95-0.97x at N 8 / 16 in 4 CTAs per SM, W2 0.99-1.01x, and 0.95-0.96x at two per SM (H200,
-    # 2026-12-02, tools/gpu/split_sweep.py --sweep w2_half / w1_half, docs/benchmarks/half-tiles-h200-2026-12-02.md,
-    # half-tiles-n80-h200-2026-12-02.md)
+    # 436.0 -> 414.0), both 1.06 / 1.07x (457.0, 407.0); gpt-oss-120b (biased epilogues; W2 whole at N 80) W1 / W2
+    # 1.027 / 1.066x at N 48, W1 1.013x at N 80; where two CTAs share an SM already (N <= 24) half tiles lose or tie:
+    # W1 0.95-0.97x at N 8 / 16 in 4 CTAs per SM, W2 0.99-1.01x, and 0.95-0.96x at two per SM; at one token in place
+    # of K splits / stream_k 0.91-0.97x (H200, 2026-12-02, tools/gpu/split_sweep.py --sweep w2_half / w1_half,
+    # docs/benchmarks/half-tiles-h200-2026-12-02.md, half-tiles-{n80,gpt-oss,t1}-h200-2026-12-02.md)
     split_cfg = replace(cfg, splits=(splits[0], splits[1]), stream_k=stream_k)
     halves = [
         occupancy == 1 and half_tiles_ok(split_cfg, w1) and can_implement(m, k, 1, cfg, half=True) is None
