@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", nargs="*", type=int, default=[1, 8, 32, 128])
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--tests", action="store_true", help="also the sm90 ring-mode kernel tests' variants")
-    ap.add_argument("--half", action="store_true", help="also each bucket's W1 / W2 with the other w1/w2_half")
+    ap.add_argument("--half", action="store_true", help="also each bucket's half-tile variants (split_sweep)")
     ap.add_argument(
         "--test-variants", nargs="*", default=[], help="also test_grouped_gpu's VARIANTS matching these patterns"
     )

@@ -37,10 +37,10 @@ activation the W1 epilogue's activation, a compile-time choice: "swiglu" (silu(g
            (gpt-oss: gate = min(gate, limit), up = clamp(up, +-limit), gate * sigmoid(alpha gate) * (up + 1); alpha
            and limit are compiled in as constants; gcmoe_core.reference.Activation is the formula)
 w2_half    W2's CTAs take half an M tile (128 weight rows: one 64-row subtile per warpgroup, 256 threads, registers
-           <= 128, so two CTAs share an SM) instead of 256 rows (4 warpgroups, one CTA per SM): with one CTA per SM
-           each CTA's start (ring words, W1_DONE, the tile's scales, the first stages) and its epilogue leave the SM
-           idle, with two the other CTA streams meanwhile. W2 unsplit; the stages are those that fit
-           half the SM's shared memory (half_stages)
+           <= 128, so two CTAs share an SM) instead of 256 rows (one CTA per SM: 4 warpgroups, 2 above N 64): with one
+           CTA per SM each CTA's start (ring words, W1_DONE, the tile's scales, the first stages) and its epilogue
+           leave the SM idle, with two the other CTA streams meanwhile. W2 unsplit, and N <= 64 with the bias epilogue
+           (half_tiles_ok); the stages are those that fit half the SM's shared memory (half_stages)
 w1_half    the same for W1, whose two halves of an M tile run as a cluster of two CTAs: a token's FP8 scale covers the
            tile's 128 intermediate columns, 64 in each half, so the halves exchange their maxima (one cluster barrier
            per epilogue). W1 unsplit, not stream_k
