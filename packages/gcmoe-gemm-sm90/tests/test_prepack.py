@@ -313,6 +313,18 @@ def test_bench_variants_are_valid_configs():
                 assert can_implement(m, k, 32, cfg, splits=sp) is None, (name, tokens, cfg)
     with pytest.raises(ValueError, match="unknown variant"):
         variant_config("n12", choose_config(8, 8, 32), 7168, 2048)
+    # half tiles follow choose_config's rule (an SM held alone: occupancy 1) and half_tiles_ok (W2's bias epilogue
+    # stays whole above N 64); wg2 is whole 2-warpgroup tiles
+    n64 = choose_config(256, 6, 32, 4096, 2048)
+    assert n64.w1_half and n64.w2_half
+    n80 = variant_config("n80", n64, 4096, 2048)
+    assert n80.w1_half and n80.w2_half
+    for name in ("wg2", "n16"):
+        c = variant_config(name, n64, 4096, 2048)
+        assert not (c.w1_half or c.w2_half), name
+    oss = layer_config(128, 4, 16, 3072, 2944, 0, epilogue={"activation": "swiglu_clamped", "bias": True})
+    v = variant_config("n80", oss, 3072, 2944)
+    assert oss.w2_half and v.w1_half and not v.w2_half
 
 
 def test_shared_w1_ranges_cover_each_shared_experts_w1_and_nothing_else():

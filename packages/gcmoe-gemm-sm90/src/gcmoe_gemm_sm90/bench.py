@@ -50,7 +50,7 @@ from gcmoe_core.timing import (
     time_interleaved,
 )
 
-from .config import N_TILES, can_implement, tile_shape, with_splits
+from .config import N_TILES, can_implement, tile_shape, with_halves, with_splits
 from .ops import MoESm90, launch_w1, launch_w2, w1, w2
 
 MODELS = ("deepseek-v4-flash", "deepseek-v3", "glm-5", "glm-4.5")
@@ -97,9 +97,10 @@ def variant_config(name: str, kcfg, hidden: int, inter: int):
     no_pdl      launched without programmatic dependent launch
     in_order / active_first  grid row y runs expert y (empty experts' CTAs launch among the others) / the y-th
                 expert with rows (where the chosen configuration has the other)
-    wg2 / wg4   for N 32-64 points, 2 or 4 warpgroups (where the chosen configuration has the other; half tiles
-                only with 4)
-    n<N>        another N tile (with its tile_shape), e.g. n64 for the v5 choice at 128-256 tokens"""
+    wg2 / wg4   for N 32-64 points, whole tiles of 2 warpgroups / 4 warpgroups keeping the chosen half tiles (where
+                the chosen configuration has the other)
+    n<N>        another N tile (with its tile_shape), e.g. n64 for the v5 choice at 128-256 tokens; the chosen half
+                tiles kept where that shape holds an SM alone (occupancy 1), as choose_config runs them"""
     if name == "no_overlap":
         return dataclasses.replace(kcfg, overlap=False)
     if name == "no_pdl":
@@ -111,19 +112,23 @@ def variant_config(name: str, kcfg, hidden: int, inter: int):
         wgs = int(name[2])
         if kcfg.n_tile < 32 or kcfg.n_tile > 64 or kcfg.warpgroups == wgs:
             return None
-        return with_splits(_tile_shape(kcfg, kcfg.n_tile, 1, wgs), kcfg.splits, hidden, inter)
+        return with_splits(_tile_shape(kcfg, kcfg.n_tile, 1, wgs, wgs == 4), kcfg.splits, hidden, inter)
     if name.startswith("n") and name[1:].isdigit() and int(name[1:]) in N_TILES:
         n = int(name[1:])
         if n == kcfg.n_tile:
             return None
-        return with_splits(_tile_shape(kcfg, n, *tile_shape(n)), kcfg.splits, hidden, inter)
+        occ, wgs = tile_shape(n)
+        return with_splits(_tile_shape(kcfg, n, occ, wgs, occ == 1), kcfg.splits, hidden, inter)
     raise ValueError(f"unknown variant {name!r}: one of {VARIANTS}")
 
 
-def _tile_shape(kcfg, n_tile: int, occupancy: int, warpgroups: int):
-    """kcfg with another N tile / tile shape; its half tiles (w1_half / w2_half) kept only with 4 warpgroups."""
-    half = dict(w1_half=kcfg.w1_half and warpgroups == 4, w2_half=kcfg.w2_half and warpgroups == 4)
-    return dataclasses.replace(kcfg, n_tile=n_tile, occupancy=occupancy, warpgroups=warpgroups, **half)
+def _tile_shape(kcfg, n_tile: int, occupancy: int, warpgroups: int, keep_halves: bool):
+    """kcfg with another N tile / tile shape; its half tiles (w1_half / w2_half) kept where keep_halves and
+    half_tiles_ok allows them (with_halves: e.g. not W2's bias epilogue above N 64)."""
+    c = dataclasses.replace(
+        kcfg, n_tile=n_tile, occupancy=occupancy, warpgroups=warpgroups, w1_half=False, w2_half=False
+    )
+    return with_halves(c, kcfg.w1_half and keep_halves, kcfg.w2_half and keep_halves)
 
 
 def fp8_gemm_rate(n: int = 8192) -> float:
