@@ -317,6 +317,7 @@ def test_sanitize_cases_cover_every_kernel_and_w1_w2_variant():
     kernels = {k for c in sanitize_case.CASES for k in c.kernels}
     for k in ("publish", "publish (slot path)", "ready", "dispatch", "finalize (+ combined signal)", "W1", "W2"):
         assert k in kernels
+    assert {sanitize_case.LOCAL, sanitize_case.LOCAL_SLOTS} <= kernels  # world size 1: publish + dispatch fused
     names = [c.name for c in sanitize_case.CASES]
     assert len(set(names)) == len(names)
     for v in ("plain", "splitk", "expert-sync", "stream-k"):

@@ -1,14 +1,17 @@
 """One process of a code A/B on the public layer (run on the GPU; tools/gpu/ab_commits.sh alternates the processes of
 two checkouts): gcmoe.MoELayer with its default policy (world size 1: sequential), each (model, T) captured in a
 CUDA graph and timed interleaved, cold L2 (write flush), medians; per point a digest of the output bits, which must
-match between the two checkouts' processes wherever the change keeps the results bit-exact. --finalize-ctas-per-sm:
-layers of this checkout with other caps on finalize's grid (gcmoe_comm.comm.FINALIZE_CTAS_PER_SM), timed side by side
-in this process.
+match between the two checkouts' processes wherever the change keeps the results bit-exact. --finalize-ctas-per-sm /
+--local-dispatch-max-bytes: layers of this checkout with other values of gcmoe_comm.comm's FINALIZE_CTAS_PER_SM (the
+cap on finalize's grid) / LOCAL_DISPATCH_MAX_BYTES (world size 1: publish + dispatch in one kernel up to this many ring
+bytes), every combination timed side by side in this process.
 
     python tools/gpu/layer_ab.py --tag new --out new-1.json [--models ...] [--tokens ...] [--finalize-ctas-per-sm 1 4]
+        [--local-dispatch-max-bytes 0 1000000000]
 """
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -25,6 +28,7 @@ ap.add_argument("--out", required=True)
 ap.add_argument("--models", nargs="+", default=["deepseek-v4-flash", "deepseek-v3"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 128, 256])
 ap.add_argument("--finalize-ctas-per-sm", nargs="+", type=int, default=[None])
+ap.add_argument("--local-dispatch-max-bytes", nargs="+", type=int, default=[None])
 ap.add_argument("--iters", type=int, default=30)
 args = ap.parse_args()
 
@@ -40,17 +44,17 @@ for model in args.models:
     cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=256)
     weights = make_weights(cfg, 1, "cuda")
     caps = {}
-    for cap in args.finalize_ctas_per_sm:
-        name = args.tag if cap is None else f"{args.tag}_fin{cap}"
-        if cap is not None:
-            comm.FINALIZE_CTAS_PER_SM = cap  # read when a bucket's graph is captured (finalize_grid)
-        caps[name] = (cap, gcmoe.MoELayer(cfg, "cuda", "sm90").load(weights))
+    for cap, local in itertools.product(args.finalize_ctas_per_sm, args.local_dispatch_max_bytes):
+        name = args.tag + ("" if cap is None else f"_fin{cap}") + ("" if local is None else f"_local{local}")
+        pairs = (("FINALIZE_CTAS_PER_SM", cap), ("LOCAL_DISPATCH_MAX_BYTES", local))
+        values = {k: v for k, v in pairs if v is not None}
+        caps[name] = (values, gcmoe.MoELayer(cfg, "cuda", "sm90").load(weights))
     for t in args.tokens:
         x, ids, w = make_tokens(cfg, t, "uniform", t, device="cuda")
         graphs, outs = {}, {}
-        for name, (cap, layer) in caps.items():
-            if cap is not None:
-                comm.FINALIZE_CTAS_PER_SM = cap
+        for name, (values, layer) in caps.items():
+            for k, v in values.items():  # read when a bucket's graph is captured (finalize_grid, local_dispatch)
+                setattr(comm, k, v)
             graphs[name], outs[name] = capture_graph(
                 lambda layer=layer, x=x, ids=ids, w=w: layer(x, ids, w), warmup=2, stream=torch.cuda.Stream()
             )

@@ -9,8 +9,8 @@ Cases (CASES), every one on the shape CFG (H 1024, I 512, 16 experts, top-4 + 1 
     comm-ready        publish (arguments by value) -> READY alone (`ready`, generation 2) -> dispatch; P = 1
     comm-p2           publish, dispatch, finalize with the combined signal across 2 virtual ranks, the W1/W2 stand-in
                       of gcmoe_comm.virtual between them (uniform, then one_rank: rank 1 receives nothing)
-    layer             the public layer as the H200 policy runs it: eager (slot-path publish, dispatch, W1, W2,
-                      finalize), then inside a caller's capture (by-value publish), replayed with new tokens
+    layer             the public layer as the H200 policy runs it: eager (slot-path publish + dispatch as one kernel,
+                      W1, W2, finalize), then inside a caller's capture (arguments by value), replayed with new tokens
     layer-partitioned the same on two green-context partitions (comm_sms = 16)
     ring-<variant>    W1 / W2 in ring mode through the public layer with kernel_config forcing RING_CONFIGS[variant]:
                       plain (unsplit, W2 after the whole W1 grid), splitk (K split 2 / 2 in clusters), expert-sync (W2
@@ -74,6 +74,8 @@ ROW_CONFIGS = {
 
 PUBLISH, PUBLISH_SLOTS, READY = "publish", "publish (slot path)", "ready"
 DISPATCH, FINALIZE = "dispatch", "finalize (+ combined signal)"
+# world size 1 (the layer's small calls): publish + dispatch as one kernel (gcmoe_comm CommRank.publish_dispatch)
+LOCAL, LOCAL_SLOTS = "publish + dispatch (one kernel)", "publish + dispatch (one kernel, slot path)"
 
 
 @dataclass(frozen=True)
@@ -241,10 +243,10 @@ W1W2 = ("W1", "W2")
 CASES = (
     SanCase("comm-ready", (PUBLISH, READY, DISPATCH), comm_ready),
     SanCase("comm-p2", (PUBLISH, DISPATCH, FINALIZE), comm_p2),
-    SanCase("layer", (PUBLISH_SLOTS, PUBLISH, DISPATCH, *W1W2, FINALIZE), layer_case(None)),
-    SanCase("layer-partitioned", (PUBLISH_SLOTS, PUBLISH, DISPATCH, *W1W2, FINALIZE), layer_case(16)),
+    SanCase("layer", (LOCAL_SLOTS, LOCAL, *W1W2, FINALIZE), layer_case(None)),
+    SanCase("layer-partitioned", (LOCAL_SLOTS, LOCAL, *W1W2, FINALIZE), layer_case(16)),
     *(
-        SanCase(f"ring-{name}", (PUBLISH_SLOTS, DISPATCH, f"W1/W2 ring {name}", FINALIZE), ring_case(kc))
+        SanCase(f"ring-{name}", (LOCAL_SLOTS, f"W1/W2 ring {name}", FINALIZE), ring_case(kc))
         for name, kc in RING_CONFIGS.items()
     ),
     SanCase("layer-p2", (PUBLISH_SLOTS, DISPATCH, *W1W2, FINALIZE), layer_p2),

@@ -46,11 +46,14 @@ def _step_exactly(vr, xs, ids, ws, shared, gen):
         assert torch.equal(y, want), f"rank {r}: combine differs in {(y != want).sum().item()} elements"
 
 
-@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize(
+    "p, fused", [(1, True), (1, False), (2, False), (4, False)], ids=["P1", "P1-two-kernels", "P2", "P4"]
+)
 @pytest.mark.parametrize("routing", ROUTINGS)
-def test_virtual_ranks_bit_exact(p, routing):
+def test_virtual_ranks_bit_exact(p, fused, routing):
+    """P = 1 runs publish + dispatch as the layer does (one kernel, straight from x) and as the two kernels."""
     spec = RingSpec(p, E // p, H, K, TMAX, BM)
-    vr = VirtualRanks(spec, "cuda", dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=2000)
+    vr = VirtualRanks(spec, "cuda", fused=fused, dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=2000)
     for call in range(1, 4):  # fresh routing each call; generations 1..3 without any reset
         xs, ids, ws, shared = _inputs(p, routing, seed=10 * p + call)
         _step_exactly(vr, xs, ids, ws, shared, gen=call)

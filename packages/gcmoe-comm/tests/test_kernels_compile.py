@@ -57,8 +57,24 @@ def test_comm_kernels_compile_with_the_protocol_instructions(model, p, bm, share
         res = k.resources()
         assert res["LOCAL"] == 0 and res["STACK"] == 0, (name, res)
     one = compiled(CommShape(RingSpec.from_config(cfg.replace(ep_size=1), bm), shared), "sm_90a")
-    one_dispatch = _ptx_ops(one["dispatch"].ptx)  # P = 1: every signal is this GPU's own (gpu scope, no sys fences)
-    assert one_dispatch["ld.acquire.gpu.global.u32"] >= 1 and one_dispatch["ld.acquire.sys.global.u32"] == 0
+    # P = 1: every signal is this GPU's own (gpu scope), and READY is read, not awaited (its only
+    # publish finished before griddepcontrol.wait returned): no acquire loop at all, OFFS and L1_FULL still released
+    one_dispatch = _ptx_ops(one["dispatch"].ptx)
+    assert one_dispatch["ld.acquire.gpu.global.u32"] == 0 and one_dispatch["ld.acquire.sys.global.u32"] == 0
+    assert one_dispatch["nanosleep.u32"] == 0 and one_dispatch["st.release.gpu.global.u32"] == 2
+    # P = 1: publish + dispatch as one kernel (the layer's small calls): INUSE taken by compare-and-swap, the inputs
+    # quantised in place of the pulls (no 16-byte row copies), RANKED's last CTA releases OFFS, each block L1_FULL;
+    # the host status released at system scope; no wait on anything, and W1 may launch once INUSE is held
+    assert "dispatch_local" not in ks
+    local_ptx = one["dispatch_local"].ptx
+    local = _ptx_ops(local_ptx)
+    assert local["atom.acq_rel.gpu.global.cas.b32"] == 1 and local["atom.acq_rel.gpu.global.add.u32"] == 1
+    assert local["st.release.gpu.global.u32"] == 2 and local["st.release.sys.global.u32"] == 1
+    assert local["ld.acquire.gpu.global.u32"] == 0 and local["nanosleep.u32"] == 0 and local["ld.global.v4.u32"] == 0
+    assert "cvt.rn.satfinite.e4m3x2.f32" in local_ptx and local["match.any.sync.b32"] == 1
+    assert "griddepcontrol.launch_dependents" in local_ptx and "griddepcontrol.wait" not in local_ptx
+    res = one["dispatch_local"].resources()
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, res
     # P = 1: finalize has no receive counters (its W2's rows are all its own): no atomics on them, no wait
     one_finalize = _ptx_ops(one["finalize"].ptx)
     assert one_finalize["atom.release.gpu.global.add.u32"] == 0 and one_finalize["nanosleep.u32"] == 0

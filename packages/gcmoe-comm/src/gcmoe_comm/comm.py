@@ -4,6 +4,7 @@
     rank.load()                                     # compile + load every kernel now (before any cross-rank wait)
     rank.publish(x, topk_ids, topk_weights)         # one kernel: take the workspace, quantise + publish, READY
     rank.dispatch()                                 # role1: pull routed tokens into this rank's ring
+    (or both at once: rank.publish_dispatch(x, topk_ids, topk_weights), one kernel at world size 1)
     ... W1 / W2 on ws.views.ring_* (W2 scatters into the source ranks' ws.views.combine) ...
     rank.finalize(out, shared_rows)                 # role3: tell every rank my rows landed, wait for every rank,
                                                     # y = slot-order sum; frees the workspace
@@ -22,10 +23,14 @@ Tickets: every call takes the workspace under a ticket (a process-wide unique in
 call share; a captured call keeps its ticket in every replay — CUDA never runs two launches of one graph at once).
 A call that finds the workspace held by another ticket fails loudly (CommError, kind BUSY) instead of corrupting it.
 
-The slot path (`publish_slots`): publish reads its arguments from a device argument block int64 [8] (x, ids,
-weights, out pointers, T, ids-are-int64) and finalize reads the output pointer and T from the workspace, so one
-captured graph serves every eager call with new tensors (gcmoe's sm90 backend copies each call's block in from a
-pinned staging slot just before replaying, and waits on the mirrored SEQ before it reuses a staging slot).
+World size 1: `publish_dispatch` runs both as one kernel (kernels.py k_dispatch_local): the ring rows are quantised
+straight from x, so the call loses a kernel boundary, the published copy and its round trips (bit-identical rings).
+
+The slot path (`publish_slots`, `publish_dispatch_slots`): publish reads its arguments from a device argument block
+int64 [8] (x, ids, weights, out pointers, T, ids-are-int64) and finalize reads the output pointer and T from the
+workspace, so one captured graph serves every eager call with new tensors (gcmoe's sm90 backend copies each call's
+block in from a pinned staging slot just before replaying, and waits on the mirrored SEQ before it reuses a staging
+slot).
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ WARPS = THREADS // 32  # dispatch ranks the routing in WARPS chunks, one per war
 # DeepSeek-V3 / V4-Flash): the layer 1.005-1.026x faster at T = 128-256 than at one per SM, the same at T <= 32 (H200,
 # 2026-12-01, tools/gpu/layer_ab.py --finalize-ctas-per-sm 1 4, docs/benchmarks/comm-ranking-h200-2026-12-01.md)
 FINALIZE_CTAS_PER_SM = 4
+# world size 1: publish + dispatch as one kernel (publish_dispatch) while the call's ring rows, T (k + S) rows of H
+# FP8 bytes, are at most this many bytes; above, the two kernels: the fused one quantises each token once per ring row
+# it lands in (k + S times), and that work outgrows the round trips it saves. Side by side on the public layer (H200,
+# 2026-12-02, tools/gpu/layer_ab.py --local-dispatch-max-bytes, docs/benchmarks/local-dispatch-h200-2026-12-02.md):
+# one kernel 1.014-1.084x faster up to 1.03 MB (V4-Flash T <= 32, DeepSeek-V3 / GLM-5 T <= 16), 0.99-1.00x for
+# GLM-5 at 0.88-1.77 MB (T = 16 / 32), 0.96-0.99x for DeepSeek-V3 / GLM-5 above 1.77 MB; V4-Flash T = 64 (1.8 MB)
+# 1.029x is left on the two kernels
+LOCAL_DISPATCH_MAX_BYTES = 3 << 19
 _TICKETS = itertools.count(1)
 
 
@@ -132,7 +145,9 @@ class CommRank:
         with warm:
             k["ready"](base, 0, self._stream())
             k["publish"](base, z, z, z, z, z, z, 0, 0, 1, 1, self._stream())
-            k["dispatch"](peers, self.ws.rank, self._timeout_arg, 1, self._stream())
+            if "dispatch_local" in k:
+                k["dispatch_local"](base, z, z, z, z, z, z, 0, 0, 1, 1, self._stream())
+            k["dispatch"](peers, self.ws.rank, self._timeout_arg, -1, 1, self._stream())
             k["finalize"](peers, self.ws.rank, z, 0, z, self._timeout_arg, 1, z, 1, self._stream())
 
     def publish_ctas(self, tokens: int) -> int:
@@ -169,6 +184,39 @@ class CommRank:
         slots), and tag READY = g once every CTA is done. An id outside [0, E) is recorded (Workspace.bad_input)
         and dropped: no rank computes that slot, and its combine row is zeroed (masked_ids: an id of -1 is dropped
         the same way, unrecorded)."""
+        args = self._publish_args(x, topk_ids, topk_weights, ticket)
+        z = self._zero
+        self.kernels["publish"](self._base_arg, z, z, *args, self.publish_ctas(self._ntok), self._stream())
+
+    def publish_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        ticket: int | None = None,
+        ctas: int | None = None,
+        tokens: int | None = None,
+    ) -> None:
+        """publish + dispatch (`ctas` dispatch CTAs, default dispatch_grid of T): where local_dispatch(`tokens`, the
+        bound the call was sized for, default T) one kernel that quantises x straight into the ring (the same rows,
+        bits and checks; no published copy), else the two."""
+        if not self.local_dispatch(x.shape[0] if tokens is None else tokens):
+            self.publish(x, topk_ids, topk_weights, ticket)
+            self.dispatch(ctas)
+            return
+        args = self._publish_args(x, topk_ids, topk_weights, ticket)
+        n, z = ctas or self.dispatch_grid(self._ntok), self._zero
+        self.kernels["dispatch_local"](self._base_arg, z, z, *args, n, self._stream())
+
+    def local_dispatch(self, tokens: int) -> bool:
+        """Whether publish_dispatch runs as one kernel for calls of up to `tokens` tokens: world size 1, ring rows of
+        at most LOCAL_DISPATCH_MAX_BYTES."""
+        s = self.ws.spec
+        return s.ranks == 1 and tokens * s.slots * s.hidden <= LOCAL_DISPATCH_MAX_BYTES
+
+    def _publish_args(self, x, topk_ids, topk_weights, ticket) -> tuple:
+        """Checked inputs of a publish as its kernel arguments (x, ids, weights, out = 0, T, ids-are-int64, ticket);
+        records T and the ticket for the call's later launches and keeps the inputs alive."""
         s = self.ws.spec
         dev = self.ws.buf.device
         if x.dim() != 2 or x.shape[1] != s.hidden or x.dtype != torch.bfloat16:
@@ -190,18 +238,31 @@ class CommRank:
                 raise ValueError(f"publish: {name} is on {ten.device}, the workspace on {dev}")
         x, ids = x.contiguous(), topk_ids.contiguous()
         wts = topk_weights.to(torch.float32).contiguous()
-        k, i64, z = self.kernels["publish"], self._i64, self._zero
+        self.kernels  # noqa: B018  (compiles on first use; sets the argument wrappers)
+        i64 = self._i64
         self._ticket = ticket or new_ticket()
-        ptrs = (i64(x.data_ptr()), i64(ids.data_ptr()), i64(wts.data_ptr()))
-        ids64 = int(ids.dtype == torch.int64)
-        k(self._base_arg, z, z, *ptrs, z, t, ids64, self._ticket, self.publish_ctas(t), self._stream())
         self._ntok = t
         self._keep = (x, ids, wts)  # the launch reads them asynchronously
+        ptrs = (i64(x.data_ptr()), i64(ids.data_ptr()), i64(wts.data_ptr()))
+        return (*ptrs, self._zero, t, int(ids.dtype == torch.int64), self._ticket)
 
     def publish_slots(self, args: int, status: int, ticket: int, ctas: int) -> None:
         """The slot path's publish (see the module docstring): arguments from the device argument block at `args`,
         the call's SEQ and BAD mirrored to the pinned int32 status words at `status` (0: none)."""
         k, i64, z = self.kernels["publish"], self._i64, self._zero
+        self._ticket, self._ntok = ticket, -1
+        k(self._base_arg, i64(args), i64(status), z, z, z, z, 0, 0, ticket, ctas, self._stream())
+
+    def publish_dispatch_slots(
+        self, args: int, status: int, ticket: int, publish_ctas: int, ctas: int, tokens: int
+    ) -> None:
+        """The slot path's publish + dispatch (`ctas` dispatch CTAs) for calls of up to `tokens` tokens: one kernel
+        where local_dispatch(tokens), as publish_dispatch."""
+        if not self.local_dispatch(tokens):
+            self.publish_slots(args, status, ticket, publish_ctas)
+            self.dispatch(ctas)
+            return
+        k, i64, z = self.kernels["dispatch_local"], self._i64, self._zero
         self._ticket, self._ntok = ticket, -1
         k(self._base_arg, i64(args), i64(status), z, z, z, z, 0, 0, ticket, ctas, self._stream())
 
@@ -218,7 +279,7 @@ class CommRank:
         k = self.kernels["dispatch"]
         t = self._ntok if self._ntok >= 0 else self.ws.spec.max_tokens
         n = ctas or self.dispatch_grid(t)
-        k(self._peer_args, self.ws.rank, self._timeout_arg, n, self._stream())
+        k(self._peer_args, self.ws.rank, self._timeout_arg, self._ntok, n, self._stream())
 
     def finalize(
         self,

@@ -16,7 +16,9 @@ One call on rank r (generation g = the call count since the last recover), each 
                  0. griddepcontrol.wait (publish has finished) before anything is read
                  1. thread q < P acquires peer q's READY == g (bounded), checks its GEN == g (written before
                     READY by the same publish: a READY = g beside another GEN is a forged or corrupted tag, recorded
-                    like an expired wait with GEN as the value seen), reads its NTOK
+                    like an expired wait with GEN as the value seen), reads its NTOK. P = 1: the only publish has
+                    finished (step 0), so READY is read and checked, not awaited, and with T by value the first
+                    routing ids load beside these words
                  2. every CTA: peers' ids -> smem (ring expert or -1: routed ids of this rank's experts, and the
                     shared ids only from this rank's own tokens), counts[w][q][e] by smem atomics, where warp w
                     takes the w-th of WARPS equal chunks of all ranks' entries in (q, t, j) order
@@ -33,6 +35,15 @@ One call on rank r (generation g = the call count since the last recover), each 
                     transposed sxT), the routing weight, and writes src and dst (the source rank's combine row);
                     padding rows get src = -1 and dst = the sink row (their payload is not written: the GEMMs never
                     store a padding column); then release(gpu) L1_FULL[b] = g — the tag W1 acquires
+    dispatch_local  world size 1, calls whose ring rows are small (comm.LOCAL_DISPATCH_MAX_BYTES): publish and
+               dispatch as one kernel, not a programmatic dependent launch. Each CTA loads its first routing entries
+               beside one thread's ERR -> INUSE (CAS) -> GEN chain, checks and ranks them as steps 2-4 (CTA 0
+               records BAD and zeroes dropped slots' combine rows), lets W1 launch, and the last CTA past the ranking
+               writes the publish's words (the slot path's SEQ / status, GEN = READY = g, NTOK, OUT) under the
+               release of OFFS = g; step 5 then quantises each owned row straight from the caller's x (the same
+               bits as publish's, a token once per ring row it lands in) and tags the block. No published copy,
+               one kernel boundary fewer: the layer 1.01-1.08x faster at T <= 16-32 (H200, 2026-12-02,
+               docs/benchmarks/local-dispatch-h200-2026-12-02.md)
     [W1, W2]   the compute partition (gcmoe-gemm-sm90): W1 acquires OFFS and each block's L1_FULL; W2 scatters row i
                to rank src[i,0]'s combine row src[i,1] * (k + S) + src[i,2] through the combine peer table
     finalize   F CTAs (comm.CommRank.finalize_grid), a programmatic dependent launch in W2's tail that waits for W2
@@ -52,7 +63,10 @@ the reset of one never races the next call's arrivals (gcmoe_comm.protocol_model
 Latency: at small T each kernel is a chain of dependent round trips to L2 (or a peer), not bandwidth; wherever the
 words a thread reads do not depend on each other they are loaded together before the first is used (publish: the
 argument block beside ERR, then the last CTA's ERR / GEN / SEQ / BAD; dispatch: a peer's GEN and NTOK after its
-READY, a row's FP8 bytes, scales and weight before its stores; finalize: INUSE, ERR, GEN, OUT, NTOK).
+READY, a row's FP8 bytes, scales and weight before its stores; finalize: INUSE, ERR, GEN, OUT, NTOK), and loads that
+do not depend on a round trip are issued before it: publish's first x group and routing slot per thread beside thread
+0's ERR / INUSE, at P = 1 dispatch's first ids and finalize's first combine rows beside their state words, and step 5
+reads its owned rows' sources from shared memory (kept by step 4) instead of ring_src.
 
 Every wait is bounded (timeout_ns, %globaltimer) and also ends when ERR is set: on expiry the waiting thread records
 (kind, rank, generation, value seen) in the rank's ERR words and the kernel skips its work; every kernel starts by
@@ -116,7 +130,9 @@ from cutlass import runtime as crt  # noqa: E402
 from cutlass.memory import SmemAllocator  # noqa: E402
 
 Int16, Int32, Int64, Float32 = cutlass.Int16, cutlass.Int32, cutlass.Int64, cutlass.Float32
-ID_BATCH = 4  # dispatch: routing ids a lane loads before using the first (one round trip for four)
+ID_BATCH = 4  # dispatch: routing ids a lane loads before using the first (one round trip for four); _load_ids
+SRC_BLOCKS = 4  # dispatch: a CTA's first owned ring blocks whose rows' sources step 4 keeps in shared memory for step 5
+QUANT_BATCH = 16  # local dispatch: (row, group) items a warp loads before quantising the first (_quantize_rows)
 NSLOTS = 64  # the host's pinned staging slots of the argument block (slot path): in flight at once, at most
 SLOT_WORDS = 8  # int64 per argument block: x, ids, weights, out, T, ids are int64, -, -
 STATUS_WORDS = 16  # int32 host status: [0] SEQ done, [1:5] BAD of that call, [8:13] ERR
@@ -163,11 +179,11 @@ class CommKernels:
             off: cute.struct.MemRange[Int32, REL + 1]
             tot: cute.struct.MemRange[Int32, REL]
             scan: cute.struct.MemRange[Int32, WARPS]
+            src: cute.struct.MemRange[Int32, 3 * SRC_BLOCKS * self.BM]  # (q, t, j) of owned rows (SRC_BLOCKS)
 
         @cute.struct
         class PublishShared:
             flag: cute.struct.MemRange[Int32, 4]
-            arg: cute.struct.MemRange[Int64, 4]
 
         @cute.struct
         class FinalizeShared:
@@ -246,6 +262,99 @@ class CommKernels:
     def ready(self, own: Int64, ntok: Int32, stream: cuda.CUstream):
         self.k_ready(own, ntok).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
+    @cute.jit
+    def _load_group(self, x: Int64, t: Int32, c: Int32, lane: Int32):
+        """Lane's 4 bf16 values (two 32-bit words) of token t's 128-value group c of x."""
+        col = Int64(t) * self.H + c * 128 + lane * 4
+        return ld_u32(x + col * 2), ld_u32(x + col * 2 + 4)
+
+    @cute.jit
+    def _quantize_group(self, w0: Int32, w1: Int32, qdst: Int64, sdst: Int64, lane: Int32):
+        """A warp: one 128-value group from each lane's words w0, w1 (_load_group) -> lane's 4 FP8 E4M3 bytes at qdst
+        and (lane 0) the group's power-of-two scale (fp32) at sdst."""
+        v = (
+            bits_to_f32(w0 << 16),
+            bits_to_f32(w0 & -65536),
+            bits_to_f32(w1 << 16),
+            bits_to_f32(w1 & -65536),
+        )
+        m = cute.arch.fmax(
+            cute.arch.fmax(cute.math.absf(v[0]), cute.math.absf(v[1])),
+            cute.arch.fmax(cute.math.absf(v[2]), cute.math.absf(v[3])),
+        )
+        bad = (v[0] != v[0]) or (v[1] != v[1]) or (v[2] != v[2]) or (v[3] != v[3]) or m > Float32(3.4028234663852886e38)
+        for off in cutlass.range_constexpr(5):
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1 << off))
+        ex = fp8_pow2_exponent(m)
+        inv = bits_to_f32((127 - ex) << 23)
+        scale = bits_to_f32((127 + ex) << 23)
+        if cute.arch.vote_any_sync(bad):
+            inv = bits_to_f32(0x7FC00000)
+            scale = inv
+        q = (cvt_e4m3x2(v[1] * inv, v[0] * inv) & 0xFFFF) | (cvt_e4m3x2(v[3] * inv, v[2] * inv) << 16)
+        st_u32(qdst, q)
+        if lane == 0:
+            st_u32(sdst, f32_to_bits(scale))
+
+    @cute.jit
+    def _load_slot(self, ids: Int64, wts: Int64, ids64: Int32, i: Int32):
+        """(id as Int64, weight bits) of published slot i = t K + j (a routed slot j < k; the values of a shared slot
+        j >= k are made by _publish_slot, these are then unused loads of slot t k + 0)."""
+        t = i // self.K
+        src = Int64(t) * self.KR + cutlass.min(i - t * self.K, self.KR - 1)
+        wb = ld_u32(wts + src * 4)
+        e64 = Int64(0)
+        if ids64 != 0:
+            e64 = ld_u64(ids + src * 8)
+        else:
+            e64 = Int64(ld_u32(ids + src * 4))
+        return e64, wb
+
+    @cute.jit
+    def _check_slot(self, own: Int64, i: Int32, e64: Int64, wb: Int32, first: Int32):
+        """(id, weight bits) of slot i = t K + j from its loaded id and weight (_load_slot): a routed id checked
+        (outside [ID_MIN, E): dropped as -1; a non-finite weight of a kept slot kept); shared slot j >= k: id
+        E + j - k, weight 1. first != 0 (one thread per slot of the call): a bad id or weight is recorded (BAD) and
+        a dropped slot's combine row zeroed (no rank writes it, so it adds zero)."""
+        H, K, KR, o = self.H, self.K, self.KR, self.o
+        t = i // K
+        j = i - t * K
+        e = Int32(self.E) + j - KR
+        w = Int32(ONE_F32)
+        if j < KR:
+            w = wb
+            e = Int32(e64)
+            if e64 < self.ID_MIN or e64 >= self.E:
+                if first != 0:
+                    self._record_bad(own, BAD_ID, t, j, Int32(e64))
+                e = Int32(-1)
+            if first != 0:
+                if e < 0:
+                    row = own + o["combine"] + Int64(i) * (H * 2)
+                    for c in cutlass.range(H // 8, unroll=1):
+                        st_v4(row + Int64(c) * 16, 0, 0, 0, 0)
+                elif (w & 0x7F800000) == 0x7F800000:
+                    self._record_bad(own, BAD_WEIGHT, t, j, w)
+        return e, w
+
+    @cute.jit
+    def _mirror_status(self, own: Int64, slots: Int64, status: Int64):
+        """One thread, the slot path (slots != 0) once the call's routing is checked: SEQ += 1, and with status
+        words the call's BAD entry to the host, then the SEQ it completes (release, sys)."""
+        if slots != 0:
+            seq = ld_u32(own + SIG_SEQ * 4)
+            bad = [Int32(0)] * 4
+            if status != 0:
+                for w in cutlass.range_constexpr(4):
+                    bad[w] = ld_u32(own + SIG_BAD * 4 + 4 * w)
+            st_u32(own + SIG_SEQ * 4, seq + 1)
+            if status != 0:
+                for w in cutlass.range_constexpr(4):
+                    st_u32(status + 4 + 4 * w, bad[w])
+                    st_u32(own + SIG_BAD * 4 + 4 * w, 0)
+                fence_sys()
+                st_release_u32(status, seq + 1, "sys")
+
     @cute.kernel
     def k_publish(
         self,
@@ -263,8 +372,10 @@ class CommKernels:
         """x bf16 [T, H] -> pub_x (FP8 E4M3) + pub_sx (power-of-two scale per 128), bit-exact with
         gcmoe_core.formats.quantize_fp8_e4m3_1x128 (a NaN or Inf in a group makes its scale and bytes NaN); the
         routing checked and copied, the shared slots appended; the last CTA to finish signals READY. slots != 0:
-        the arguments come from the argument block at `slots` (device memory) instead of x_arg .. ids64_arg."""
-        H, HS, K, KR, o = self.H, self.HS, self.K, self.KR, self.o
+        the arguments come from the argument block at `slots` (device memory) instead of x_arg .. ids64_arg.
+        Each thread loads its first x group and routing slot before thread 0's ERR / INUSE round trips complete (the
+        stores wait for them): at small T those are all its loads, one round trip for all instead of three."""
+        HS, K, o = self.HS, self.K, self.o
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         nctas, _, _ = cute.arch.grid_dim()
@@ -274,19 +385,22 @@ class CommKernels:
         cute.arch.griddepcontrol_launch_dependents()
         st = SmemAllocator().allocate(self.publish_shared)
         sflag = st.flag.get_tensor(cute.make_layout(4))
-        sarg = st.arg.get_tensor(cute.make_layout(4))
+        x, ids, wts, out, ntok, ids64 = x_arg, ids_arg, wts_arg, out_arg, ntok_arg, ids64_arg
+        if slots != 0:  # the argument block the host's copy wrote just before this launch (every thread reads it)
+            x, ids, wts, out = ld_u64(slots), ld_u64(slots + 8), ld_u64(slots + 16), ld_u64(slots + 24)
+            ntok = Int32(ld_u64(slots + 32))
+            ids64 = Int32(ld_u64(slots + 40))
+        ngroups = ntok * HS
+        nslots = ntok * K
+        gi0 = cta * WARPS + warp
+        i0 = cta * THREADS + tid
+        w0, w1 = Int32(0), Int32(0)
+        e64, wb = Int64(0), Int32(0)
+        if gi0 < ngroups:
+            w0, w1 = self._load_group(x, gi0 // HS, gi0 % HS, lane)
+        if i0 < nslots:
+            e64, wb = self._load_slot(ids, wts, ids64, i0)
         if tid == 0:
-            sflag[1] = ntok_arg
-            sflag[2] = ids64_arg
-            sarg[0] = x_arg
-            sarg[1] = ids_arg
-            sarg[2] = wts_arg
-            sarg[3] = out_arg
-            if slots != 0:  # the argument block the host's copy wrote just before this launch (loaded beside ERR)
-                for i in cutlass.range_constexpr(4):
-                    sarg[i] = ld_u64(slots + 8 * i)
-                sflag[1] = Int32(ld_u64(slots + 32))
-                sflag[2] = Int32(ld_u64(slots + 40))
             ok = Int32(0)
             if ld_u32(own + SIG_ERR * 4) == 0:
                 held = atom_cas_u32(own + SIG_INUSE * 4, 0, ticket, "gpu", "acq_rel")
@@ -296,95 +410,30 @@ class CommKernels:
                     record_error(own + SIG_ERR * 4, KIND_BUSY, 0, ticket, held)
             sflag[0] = ok
         cute.arch.sync_threads()
-        ntok = sflag[1]
         if sflag[0] == 1:
-            x, ids, wts, ids64 = sarg[0], sarg[1], sarg[2], sflag[2]
-            for gi in cutlass.range(cta * WARPS + warp, ntok * HS, nctas * WARPS, unroll=1):
+            for gi in cutlass.range(gi0, ngroups, nctas * WARPS, unroll=1):
                 t = gi // HS
                 c = gi - t * HS
-                col = Int64(t) * H + c * 128 + lane * 4
-                w0 = ld_u32(x + col * 2)
-                w1 = ld_u32(x + col * 2 + 4)
-                v = (
-                    bits_to_f32(w0 << 16),
-                    bits_to_f32(w0 & -65536),
-                    bits_to_f32(w1 << 16),
-                    bits_to_f32(w1 & -65536),
-                )
-                m = cute.arch.fmax(
-                    cute.arch.fmax(cute.math.absf(v[0]), cute.math.absf(v[1])),
-                    cute.arch.fmax(cute.math.absf(v[2]), cute.math.absf(v[3])),
-                )
-                bad = (
-                    (v[0] != v[0])
-                    or (v[1] != v[1])
-                    or (v[2] != v[2])
-                    or (v[3] != v[3])
-                    or m > Float32(3.4028234663852886e38)
-                )
-                for off in cutlass.range_constexpr(5):
-                    m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=1 << off))
-                ex = fp8_pow2_exponent(m)
-                inv = bits_to_f32((127 - ex) << 23)
-                scale = bits_to_f32((127 + ex) << 23)
-                if cute.arch.vote_any_sync(bad):
-                    inv = bits_to_f32(0x7FC00000)
-                    scale = inv
-                q = (cvt_e4m3x2(v[1] * inv, v[0] * inv) & 0xFFFF) | (cvt_e4m3x2(v[3] * inv, v[2] * inv) << 16)
-                st_u32(own + o["pub_x"] + col, q)
-                if lane == 0:
-                    st_u32(own + o["pub_sx"] + (Int64(t) * HS + c) * 4, f32_to_bits(scale))
-            for i in cutlass.range(cta * THREADS + tid, ntok * K, nctas * THREADS, unroll=1):
-                t = i // K
-                j = i - t * K
-                e = Int32(self.E) + j - KR  # shared slot j >= k: id E + j - k, weight 1
-                wb = Int32(ONE_F32)
-                if j < KR:
-                    src = Int64(t) * KR + j
-                    wb = ld_u32(wts + src * 4)
-                    if ids64 != 0:
-                        e64 = ld_u64(ids + src * 8)
-                        e = Int32(e64)
-                        if e64 < self.ID_MIN or e64 >= self.E:
-                            self._record_bad(own, BAD_ID, t, j, Int32(e64))
-                            e = Int32(-1)
-                    else:
-                        e = ld_u32(ids + src * 4)
-                        if e < self.ID_MIN or e >= self.E:
-                            self._record_bad(own, BAD_ID, t, j, e)
-                            e = Int32(-1)
-                    if e < 0:  # dropped (or masked): no rank writes this slot's combine row, so it adds zero
-                        row = own + o["combine"] + Int64(i) * (H * 2)
-                        for c in cutlass.range(H // 8, unroll=1):
-                            st_v4(row + Int64(c) * 16, 0, 0, 0, 0)
-                    elif (wb & 0x7F800000) == 0x7F800000:
-                        self._record_bad(own, BAD_WEIGHT, t, j, wb)
+                if gi != gi0:
+                    w0, w1 = self._load_group(x, t, c, lane)
+                pos = Int64(t) * HS + c
+                self._quantize_group(w0, w1, own + o["pub_x"] + pos * 128 + lane * 4, own + o["pub_sx"] + pos * 4, lane)
+            for i in cutlass.range(i0, nslots, nctas * THREADS, unroll=1):
+                if i != i0:
+                    e64, wb = self._load_slot(ids, wts, ids64, i)
+                e, w = self._check_slot(own, i, e64, wb, Int32(1))
                 st_u32(own + o["pub_ids"] + Int64(i) * 4, e)
-                st_u32(own + o["pub_w"] + Int64(i) * 4, wb)
+                st_u32(own + o["pub_w"] + Int64(i) * 4, w)
         cute.arch.sync_threads()
         if tid == 0 and sflag[0] == 1:
             fence_gpu()
             if atom_add_u32(own + SIG_PUB_DONE * 4, 1, "acq_rel", "gpu") == nctas - 1:
-                # the words read below, all loaded before any is used (one round trip, not one each)
+                # the words read here and in _mirror_status, loaded before any is used (one round trip)
                 err = ld_u32(own + SIG_ERR * 4)
                 gen = ld_u32(own + SIG_GEN * 4)
-                seq = Int32(0)
-                bad = [Int32(0)] * 4
-                if slots != 0:
-                    seq = ld_u32(own + SIG_SEQ * 4)
-                    if status != 0:
-                        for w in cutlass.range_constexpr(4):
-                            bad[w] = ld_u32(own + SIG_BAD * 4 + 4 * w)
                 st_u32(own + SIG_PUB_DONE * 4, 0)
-                if slots != 0:
-                    st_u32(own + SIG_SEQ * 4, seq + 1)
-                    if status != 0:  # the BAD entry of this call to the host, then the SEQ it completes
-                        for w in cutlass.range_constexpr(4):
-                            st_u32(status + 4 + 4 * w, bad[w])
-                            st_u32(own + SIG_BAD * 4 + 4 * w, 0)
-                        fence_sys()
-                        st_release_u32(status, seq + 1, "sys")
-                self._signal_ready(own, ntok, sarg[3], err, gen)
+                self._mirror_status(own, slots, status)
+                self._signal_ready(own, ntok, out, err, gen)
 
     @cute.jit
     def publish(
@@ -407,36 +456,296 @@ class CommKernels:
         )
 
     # ---------------------------------------------------------------- dispatch
-    @cute.kernel
-    def k_dispatch(self, peers: tuple, rank: Int32, timeout_ns: Int64):
-        P, TM, K, EL, REL, BM = self.P, self.TM, self.K, self.EL, self.REL, self.BM
-        H, o = self.H, self.o
+    @cute.jit
+    def _chunk(self, total: Int32, warp: Int32):
+        """Warp's entries [c0, c1) of all ranks' `total` routing entries: WARPS equal chunks rounded up to 32."""
+        chunk = (total + WARPS * 32 - 1) // (WARPS * 32) * 32
+        c0 = warp * chunk
+        return c0, cutlass.min(c0 + chunk, total)
+
+    @cute.jit
+    def _load_ids(self, pa: Int64, j0: Int32, i_hi: Int32, lane: Int32):
+        """Lane's ID_BATCH published ids j0 + 32 u + lane of the ids at pa, all in flight at once (clamped into
+        [0, i_hi): the extra ones unused)."""
+        return tuple(ld_u32(pa + Int64(cutlass.min(j0 + 32 * u + lane, i_hi - 1)) * 4) for u in range(ID_BATCH))
+
+    @cute.jit
+    def _count_entry(self, v: Int32, q: Int32, j: Int32, warp: Int32, scur: cute.Tensor, sids: cute.Tensor):
+        """Step 2 for one entry j of rank q's routing: its ring expert v (-1: not this rank's) into smem, counted in
+        the warp's table."""
+        if v >= 0:
+            cute.arch.atomic_add(scur.iterator + ((warp * self.P + q) * self.REL + v), Int32(1))
+        sids[q * self.TM * self.K + j] = Int16(v)
+
+    @cute.jit
+    def _offsets(self, own: Int64, scur, soff, stot, sscan, tid: Int32, warp: Int32, lane: Int32, write: Int32):
+        """Step 3: per-expert totals; row cursors in (src rank, warp chunk) order per expert; BM-padded ring
+        offsets (block-wide scan); write != 0: the offsets and counts to the ring (one CTA)."""
+        P, REL, BM, o = self.P, self.REL, self.BM, self.o
+        for e in cutlass.range(tid, REL, THREADS, unroll=1):
+            acc = Int32(0)
+            for q in cutlass.range(P, unroll=1):
+                for w in cutlass.range_constexpr(WARPS):
+                    c = scur[(w * P + q) * REL + e]
+                    scur[(w * P + q) * REL + e] = acc
+                    acc = acc + c
+            stot[e] = acc
+        cute.arch.sync_threads()
+        per = -(-REL // THREADS)
+        mine = Int32(0)
+        for c in cutlass.range_constexpr(per):
+            e = tid * per + c
+            if e < REL:
+                mine = mine + (stot[e] + BM - 1) // BM * BM
+        incl = mine
+        for d in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << d)
+            if lane >= (1 << d):
+                incl = incl + up
+        if lane == 31:
+            sscan[warp] = incl
+        cute.arch.sync_threads()
+        before = Int32(0)
+        for w in cutlass.range_constexpr(WARPS):
+            if w < warp:
+                before = before + sscan[w]
+        run = before + incl - mine
+        for c in cutlass.range_constexpr(per):
+            e = tid * per + c
+            if e < REL:
+                soff[e] = run
+                run = run + (stot[e] + BM - 1) // BM * BM
+        if tid == THREADS - 1:
+            soff[REL] = run
+        cute.arch.sync_threads()
+        for i in cutlass.range(tid, WARPS * P * REL, THREADS, unroll=1):
+            scur[i] = scur[i] + soff[i % REL]
+        if write != 0:
+            for e in cutlass.range(tid, REL + 1, THREADS, unroll=1):
+                st_u32(own + o["ring_offsets"] + e * 4, soff[e])
+            for e in cutlass.range(tid, REL, THREADS, unroll=1):
+                st_u32(own + o["ring_counts"] + e * 4, stot[e])
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _assign_rows(self, own: Int64, sntok, sids, scur, ssrc, c0: Int32, c1: Int32, warp: Int32, lane: Int32):
+        """Step 4: each warp ranks its chunk 32 entries at a time: the ring row of every (q, t, j), its source
+        written (ring_src, and shared memory for the CTA's first SRC_BLOCKS owned blocks) where this CTA owns the
+        row's block (block b -> CTA b mod C)."""
+        P, TM, K, REL, BM, o = self.P, self.TM, self.K, self.REL, self.BM, self.o
+        cta, _, _ = cute.arch.block_idx()
+        C, _, _ = cute.arch.grid_dim()
+        start = Int32(0)
+        for q in cutlass.range(P, unroll=1):
+            n = sntok[q] * K
+            i_hi = cutlass.min(c1 - start, n)
+            cur = (warp * P + q) * REL
+            for b0 in cutlass.range(cutlass.max(c0 - start, 0), i_hi, 32, unroll=1):
+                i = b0 + lane
+                e = Int32(-1)
+                if i < i_hi:
+                    e = Int32(sids[q * TM * K + i])
+                peers_mask = cute.arch.match_sync(-1, e)
+                rank_in = cute.arch.popc(peers_mask & cute.arch.lanemask_lt())
+                if e >= 0:
+                    row = scur[cur + e] + rank_in
+                    if (row // BM) % C == cta:
+                        dst = own + o["ring_src"] + Int64(row) * 12
+                        st_u32(dst, q)
+                        st_u32(dst + 4, i // K)
+                        st_u32(dst + 8, i % K)
+                        lb = row // BM // C  # the CTA's lb-th owned block: its sources also kept here
+                        if lb < SRC_BLOCKS:
+                            k3 = (lb * BM + row % BM) * 3
+                            ssrc[k3] = q
+                            ssrc[k3 + 1] = i // K
+                            ssrc[k3 + 2] = i % K
+                cute.arch.sync_warp()
+                if e >= 0 and rank_in == 0:
+                    scur[cur + e] = scur[cur + e] + cute.arch.popc(peers_mask)
+                cute.arch.sync_warp()
+            start = start + n
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def _release_offs(
+        self, own: Int64, g: Int32, local: cutlass.Constexpr, slots: Int64, status: Int64, ntok: Int32, out: Int64
+    ):
+        """Thread 0 of each CTA past its reads of the routing: the last of them releases (gpu) OFFS = g, the ring's
+        shape for call g that W1 and W2 acquire (also saying no CTA still reads the routing). The local dispatch
+        ends the call's publish first, under the same release: the slot path's SEQ and status words, GEN = READY =
+        g, NTOK, OUT."""
+        C, _, _ = cute.arch.grid_dim()
+        fence_gpu()
+        if atom_add_u32(own + SIG_RANKED * 4, 1, "acq_rel", "gpu") == C - 1:
+            st_u32(own + SIG_RANKED * 4, 0)  # for the next call (ordered before OFFS by the release)
+            if cutlass.const_expr(local):
+                self._mirror_status(own, slots, status)
+                st_u32(own + SIG_GEN * 4, g)
+                st_u32(own + SIG_READY * 4, g)
+                st_u32(own + SIG_NTOK * 4, ntok)
+                st_u32(own + SIG_OUT * 4, Int32(out & 0xFFFFFFFF))
+                st_u32(own + SIG_OUT * 4 + 4, Int32(out >> 32))
+            st_release_u32(own + SIG_OFFS * 4, g, "gpu")
+
+    @cute.jit
+    def _row_src(self, own: Int64, ssrc, lb: Int32, r: Int32, row: Int32):
+        """(q, t, j) of ring row `row`, row r of the CTA's lb-th owned block: from shared memory (step 4 kept it)
+        or, past the first SRC_BLOCKS blocks, from ring_src."""
+        q, t, j = Int32(0), Int32(0), Int32(0)
+        if lb < SRC_BLOCKS:
+            k3 = (lb * self.BM + r) * 3
+            q, t, j = ssrc[k3], ssrc[k3 + 1], ssrc[k3 + 2]
+        else:
+            srow = own + self.o["ring_src"] + Int64(row) * 12
+            q, t, j = ld_u32(srow), ld_u32(srow + 4), ld_u32(srow + 8)
+        return q, t, j
+
+    @cute.jit
+    def _pad_row(self, own: Int64, row: Int32):
+        """A padding row of a ring block: src = -1, dst = the combine buffer's sink row (its payload is never read:
+        the GEMMs store no padding column)."""
+        srow = own + self.o["ring_src"] + Int64(row) * 12
+        st_u32(own + self.o["ring_dst"] + Int64(row) * 4, self.TM * self.K)
+        st_u32(srow, -1)
+        st_u32(srow + 4, -1)
+        st_u32(srow + 8, -1)
+
+    @cute.jit
+    def _quantize_rows(self, own: Int64, x: Int64, wts: Int64, ssrc, lb: Int32, row0: Int32, nvalid: Int32):
+        """The local dispatch's rows [row0, row0 + nvalid) of the CTA's lb-th owned block, from the caller's x and
+        weights: the CTA's warps take (row, 128-value group) items QUANT_BATCH at a time, every load of a batch in
+        flight before its first store; FP8 bytes, the transposed scale, and with a row's group 0 its routing weight
+        (a routed slot's as given, a shared slot's 1) and combine row t K + j."""
+        H, HS, K, KR, CAP, o = self.H, self.HS, self.K, self.KR, self.CAP, self.o
+        tid, _, _ = cute.arch.thread_idx()
+        warp = tid // 32
+        lane = tid % 32
+        n = nvalid * HS
+        for k0 in cutlass.range(warp * QUANT_BATCH, n, WARPS * QUANT_BATCH, unroll=1):
+            words = []
+            for u in cutlass.range_constexpr(QUANT_BATCH):
+                kk = cutlass.min(k0 + u, n - 1)
+                r = kk // HS
+                _, t, j = self._row_src(own, ssrc, lb, r, row0 + r)
+                words.extend(self._load_group(x, t, kk - r * HS, lane))
+                w = Int32(ONE_F32)
+                if kk == r * HS and j < KR:  # a row's group 0 also stores its routing weight
+                    w = ld_u32(wts + (Int64(t) * KR + j) * 4)
+                words.append(w)
+            for u in cutlass.range_constexpr(QUANT_BATCH):
+                k = k0 + u
+                if k < n:
+                    r = k // HS
+                    c = k - r * HS
+                    row = row0 + r
+                    _, t, j = self._row_src(own, ssrc, lb, r, row)
+                    qdst = own + o["ring_x"] + Int64(row) * H + c * 128 + lane * 4
+                    sdst = own + o["ring_sxT"] + (Int64(c) * CAP + row) * 4
+                    self._quantize_group(words[3 * u], words[3 * u + 1], qdst, sdst, lane)
+                    if c == 0 and lane == 0:
+                        st_u32(own + o["ring_w"] + Int64(row) * 4, words[3 * u + 2])
+                        st_u32(own + o["ring_dst"] + Int64(row) * 4, t * K + j)
+
+    @cute.jit
+    def _fill_blocks(
+        self, own: Int64, speer, soff, stot, ssrc, g: Int32, local: cutlass.Constexpr, x: Int64, wts: Int64
+    ):
+        """Step 5: the rows of the CTA's owned blocks (pulled from the peers' published buffers, or quantised from
+        the caller's x and weights: the local dispatch), padding rows marked, then each block tagged (release, gpu)
+        L1_FULL[b] = g — what W1 acquires."""
+        REL, BM, H, o = self.REL, self.BM, self.H, self.o
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         C, _, _ = cute.arch.grid_dim()
+        warp = tid // 32
+        lane = tid % 32
+        nblk = soff[REL] // BM
+        for b in cutlass.range(cta, nblk, C, unroll=1):
+            row0 = b * BM
+            lo_e = Int32(0)
+            hi_e = Int32(REL)
+            while hi_e - lo_e > 1:
+                mid = (lo_e + hi_e) // 2
+                if soff[mid] <= row0:
+                    lo_e = mid
+                else:
+                    hi_e = mid
+            valid_end = soff[lo_e] + stot[lo_e]
+            lb = b // C
+            if cutlass.const_expr(local):
+                self._quantize_rows(own, x, wts, ssrc, lb, row0, cutlass.max(cutlass.min(valid_end - row0, BM), 0))
+            for r in cutlass.range(warp, BM, WARPS, unroll=1):
+                row = row0 + r
+                if row < valid_end:
+                    if cutlass.const_expr(not local):
+                        q, t, j = self._row_src(own, ssrc, lb, r, row)
+                        self._pull_row(speer[q], own, t, j, row, own + o["ring_x"] + Int64(row) * H, lane)
+                elif lane == 0:
+                    self._pad_row(own, row)
+            cute.arch.sync_threads()
+            if tid == 0:
+                fence_gpu()
+                st_release_u32(own + SIG_L1_FULL * 4 + Int64(b) * 4, g, "gpu")
+
+    def _dispatch_smem(self):
+        """Dispatch's shared memory: (speer, sntok, sflag, sids, scur, soff, stot, sscan, ssrc)."""
+        P, TM, K, REL, BM = self.P, self.TM, self.K, self.REL, self.BM
+        st = SmemAllocator().allocate(self.dispatch_shared)
+        return (
+            st.peer.get_tensor(cute.make_layout(P)),
+            st.ntok.get_tensor(cute.make_layout(P)),
+            st.flag.get_tensor(cute.make_layout(4)),
+            st.ids.get_tensor(cute.make_layout(P * TM * K)),
+            st.cur.get_tensor(cute.make_layout(WARPS * P * REL)),
+            st.off.get_tensor(cute.make_layout(REL + 1)),
+            st.tot.get_tensor(cute.make_layout(REL)),
+            st.scan.get_tensor(cute.make_layout(WARPS)),
+            st.src.get_tensor(cute.make_layout(3 * SRC_BLOCKS * BM)),
+        )
+
+    @cute.kernel
+    def k_dispatch(self, peers: tuple, rank: Int32, timeout_ns: Int64, ntok_arg: Int32):
+        P, K, EL, REL = self.P, self.K, self.EL, self.REL
+        o = self.o
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
         # PDL: launched while publish runs; nothing of the call is read before publish has finished (GEN included)
         cute.arch.griddepcontrol_wait()
         warp = tid // 32
         lane = tid % 32
-
-        st = SmemAllocator().allocate(self.dispatch_shared)
-        speer = st.peer.get_tensor(cute.make_layout(P))
-        sntok = st.ntok.get_tensor(cute.make_layout(P))
-        sflag = st.flag.get_tensor(cute.make_layout(4))
-        sids = st.ids.get_tensor(cute.make_layout(P * TM * K))
-        scur = st.cur.get_tensor(cute.make_layout(WARPS * P * REL))
-        soff = st.off.get_tensor(cute.make_layout(REL + 1))
-        stot = st.tot.get_tensor(cute.make_layout(REL))
-        sscan = st.scan.get_tensor(cute.make_layout(WARPS))
+        speer, sntok, sflag, sids, scur, soff, stot, sscan, ssrc = self._dispatch_smem()
 
         self._stage_peers(peers, speer, tid)
         if tid == 0:
             sflag[0] = 0
+        # P = 1 with T by value (ntok_arg >= 0; -1 on the slot path): this lane's first routing ids loaded now, beside
+        # the state words below (publish has finished: nothing to wait for), so both take one round trip
+        pre = Int32(0)
+        ids = (Int32(-1),) * ID_BATCH
+        if cutlass.const_expr(P == 1):  # noqa: SIM102  (a compile-time branch around a run-time one)
+            if ntok_arg >= 0:
+                p0, p1 = self._chunk(ntok_arg * K, warp)
+                if p0 < p1:
+                    pre = Int32(1)
+                    ids = self._load_ids(peers[0] + o["pub_ids"], p0, p1, lane)
         cute.arch.sync_threads()
         own = speer[rank]
         g = ld_u32(own + SIG_GEN * 4)
         failed = ld_u32(own + SIG_ERR * 4)
-        if failed == 0 and tid < P:
+        if cutlass.const_expr(P == 1):
+            # publish (this rank's own, the only one) finished before griddepcontrol.wait returned: READY and NTOK
+            # are read, not awaited; READY = g is still checked (GEN and READY written by the same publish)
+            if tid == 0:
+                ready = ld_u32(own + SIG_READY * 4)
+                nt = ntok_arg
+                if ntok_arg < 0:
+                    nt = ld_u32(own + SIG_NTOK * 4)
+                sntok[0] = nt
+                if failed == 0 and ready != g:
+                    record_error(own + SIG_ERR * 4, KIND_READY, 0, g, ready)
+                    sflag[0] = 1
+        elif failed == 0 and tid < P:
             pa = speer[tid]
             seen = wait_until_eq(pa + SIG_READY * 4, g, timeout_ns, self.SCOPE, own + SIG_ERR * 4)
             peer_gen = ld_relaxed_u32(pa + SIG_GEN * 4, self.SCOPE)  # (both loads in flight at once)
@@ -456,9 +765,7 @@ class CommKernels:
             total = Int32(0)
             for q in cutlass.range(P, unroll=1):
                 total = total + sntok[q] * K
-            chunk = (total + WARPS * 32 - 1) // (WARPS * 32) * 32
-            c0 = warp * chunk
-            c1 = cutlass.min(c0 + chunk, total)
+            c0, c1 = self._chunk(total, warp)
             cute.arch.sync_threads()
             lo = rank * EL
             start = Int32(0)
@@ -467,142 +774,36 @@ class CommKernels:
                 pa = speer[q] + o["pub_ids"]
                 i_hi = cutlass.min(c1 - start, n)
                 for j0 in cutlass.range(cutlass.max(c0 - start, 0), i_hi, 32 * ID_BATCH, unroll=1):
-                    gids = []  # ID_BATCH loads in flight at once (clamped in range; the extra ones unused)
-                    for u in cutlass.range_constexpr(ID_BATCH):
-                        gids.append(ld_u32(pa + Int64(cutlass.min(j0 + 32 * u + lane, i_hi - 1)) * 4))
+                    if pre == 0 or j0 != c0:  # (P = 1: the first batch was loaded before the state words)
+                        ids = self._load_ids(pa, j0, i_hi, lane)
                     for u in cutlass.range_constexpr(ID_BATCH):
                         j = j0 + 32 * u + lane
                         if j < i_hi:
-                            e = gids[u] - lo
+                            e = ids[u] - lo
                             v = Int32(-1)
                             if e >= 0 and e < EL:
                                 v = e
-                            if q == rank and gids[u] >= self.E:
-                                v = EL + gids[u] - self.E
-                            if v >= 0:
-                                cute.arch.atomic_add(scur.iterator + ((warp * P + q) * REL + v), Int32(1))
-                            sids[q * TM * K + j] = Int16(v)
+                            if q == rank and ids[u] >= self.E:
+                                v = EL + ids[u] - self.E
+                            self._count_entry(v, q, j, warp, scur, sids)
                 start = start + n
             cute.arch.sync_threads()
-            # 3. totals; cursors in (src rank, warp chunk) order per expert; BM-padded offsets (block-wide scan)
-            for e in cutlass.range(tid, REL, THREADS, unroll=1):
-                acc = Int32(0)
-                for q in cutlass.range(P, unroll=1):
-                    for w in cutlass.range_constexpr(WARPS):
-                        c = scur[(w * P + q) * REL + e]
-                        scur[(w * P + q) * REL + e] = acc
-                        acc = acc + c
-                stot[e] = acc
-            cute.arch.sync_threads()
-            per = -(-REL // THREADS)
-            mine = Int32(0)
-            for c in cutlass.range_constexpr(per):
-                e = tid * per + c
-                if e < REL:
-                    mine = mine + (stot[e] + BM - 1) // BM * BM
-            incl = mine
-            for d in cutlass.range_constexpr(5):
-                up = cute.arch.shuffle_sync_up(incl, 1 << d)
-                if lane >= (1 << d):
-                    incl = incl + up
-            if lane == 31:
-                sscan[warp] = incl
-            cute.arch.sync_threads()
-            before = Int32(0)
-            for w in cutlass.range_constexpr(WARPS):
-                if w < warp:
-                    before = before + sscan[w]
-            run = before + incl - mine
-            for c in cutlass.range_constexpr(per):
-                e = tid * per + c
-                if e < REL:
-                    soff[e] = run
-                    run = run + (stot[e] + BM - 1) // BM * BM
-            if tid == THREADS - 1:
-                soff[REL] = run
-            cute.arch.sync_threads()
-            for i in cutlass.range(tid, WARPS * P * REL, THREADS, unroll=1):
-                scur[i] = scur[i] + soff[i % REL]
-            if cta == 0:
-                for e in cutlass.range(tid, REL + 1, THREADS, unroll=1):
-                    st_u32(own + o["ring_offsets"] + e * 4, soff[e])
-                for e in cutlass.range(tid, REL, THREADS, unroll=1):
-                    st_u32(own + o["ring_counts"] + e * 4, stot[e])
-            cute.arch.sync_threads()
-            # 4. each warp ranks its chunk 32 entries at a time: row of (q, t, j), kept when this CTA owns its block
-            start = Int32(0)
-            for q in cutlass.range(P, unroll=1):
-                n = sntok[q] * K
-                i_hi = cutlass.min(c1 - start, n)
-                cur = (warp * P + q) * REL
-                for b0 in cutlass.range(cutlass.max(c0 - start, 0), i_hi, 32, unroll=1):
-                    i = b0 + lane
-                    e = Int32(-1)
-                    if i < i_hi:
-                        e = Int32(sids[q * TM * K + i])
-                    peers_mask = cute.arch.match_sync(-1, e)
-                    rank_in = cute.arch.popc(peers_mask & cute.arch.lanemask_lt())
-                    if e >= 0:
-                        row = scur[cur + e] + rank_in
-                        if (row // BM) % C == cta:
-                            dst = own + o["ring_src"] + Int64(row) * 12
-                            st_u32(dst, q)
-                            st_u32(dst + 4, i // K)
-                            st_u32(dst + 8, i % K)
-                    cute.arch.sync_warp()
-                    if e >= 0 and rank_in == 0:
-                        scur[cur + e] = scur[cur + e] + cute.arch.popc(peers_mask)
-                    cute.arch.sync_warp()
-                start = start + n
-            cute.arch.sync_threads()
+            # 3. totals, cursors, offsets (CTA 0 writes them); 4. rows of the owned blocks' entries
+            self._offsets(own, scur, soff, stot, sscan, tid, warp, lane, Int32(cta == 0))
+            self._assign_rows(own, sntok, sids, scur, ssrc, c0, c1, warp, lane)
             # W1 (PDL) may launch once every CTA is here: it acquires OFFS and each block's L1_FULL, so it streams
             # weights beside the row pulls below; a CTA past this point reads the peers' rows only for blocks whose
-            # tags W1 acquires, so a finished call leaves no dispatch CTA still reading published buffers
+            # tags W1 acquires, so a finished call leaves no dispatch CTA still reading published buffers (on a
+            # partition W1 is not launched after this grid; CTAs without blocks release no tag)
             cute.arch.griddepcontrol_launch_dependents()
             if tid == 0:
-                # the ring's shape for call g (what W1 and W2 acquire before reading it), released by the last CTA
-                # past its reads of the routing: OFFS = g also says no CTA of this dispatch still reads the peers'
-                # routing (on a partition W1 is not launched after this grid; CTAs without blocks release no tag)
-                fence_gpu()
-                if atom_add_u32(own + SIG_RANKED * 4, 1, "acq_rel", "gpu") == C - 1:
-                    st_u32(own + SIG_RANKED * 4, 0)  # for the next call (ordered before OFFS by the release)
-                    st_release_u32(own + SIG_OFFS * 4, g, "gpu")
+                self._release_offs(own, g, False, Int64(0), Int64(0), Int32(0), Int64(0))
             # 5. pull the rows of the owned blocks, then tag each block with the generation
-            nblk = soff[REL] // BM
-            for b in cutlass.range(cta, nblk, C, unroll=1):
-                row0 = b * BM
-                lo_e = Int32(0)
-                hi_e = Int32(REL)
-                while hi_e - lo_e > 1:
-                    mid = (lo_e + hi_e) // 2
-                    if soff[mid] <= row0:
-                        lo_e = mid
-                    else:
-                        hi_e = mid
-                valid_end = soff[lo_e] + stot[lo_e]
-                for r in cutlass.range(warp, BM, WARPS, unroll=1):
-                    row = row0 + r
-                    xdst = own + o["ring_x"] + Int64(row) * H
-                    srow = own + o["ring_src"] + Int64(row) * 12
-                    if row < valid_end:
-                        q = ld_u32(srow)
-                        t = ld_u32(srow + 4)
-                        j = ld_u32(srow + 8)
-                        self._pull_row(speer[q], own, t, j, row, xdst, lane)
-                    else:
-                        if lane == 0:
-                            st_u32(own + o["ring_dst"] + Int64(row) * 4, TM * K)  # the combine buffer's sink row
-                            st_u32(srow, -1)
-                            st_u32(srow + 4, -1)
-                            st_u32(srow + 8, -1)
-                cute.arch.sync_threads()
-                if tid == 0:
-                    fence_gpu()
-                    st_release_u32(own + SIG_L1_FULL * 4 + Int64(b) * 4, g, "gpu")
+            self._fill_blocks(own, speer, soff, stot, ssrc, g, False, Int64(0), Int64(0))
 
     @cute.jit
-    def dispatch(self, peers: tuple, rank: Int32, timeout_ns: Int64, nctas: Int32, stream: cuda.CUstream):
-        self.k_dispatch(peers, rank, timeout_ns).launch(
+    def dispatch(self, peers: tuple, rank: Int32, timeout_ns: Int64, ntok: Int32, nctas: Int32, stream: cuda.CUstream):
+        self.k_dispatch(peers, rank, timeout_ns, ntok).launch(
             grid=[nctas, 1, 1],
             block=[THREADS, 1, 1],
             smem=self.dispatch_shared.size_in_bytes(),
@@ -610,7 +811,159 @@ class CommKernels:
             use_pdl=True,
         )
 
+    # ---------------------------------------------------------------- publish + dispatch in one kernel (P = 1)
+    @cute.jit
+    def _load_slots(self, ids: Int64, wts: Int64, ids64: Int32, j0: Int32, i_hi: Int32, lane: Int32):
+        """(id, weight bits) of lane's ID_BATCH slots j0 + 32 u + lane (clamped into [0, i_hi)), all in flight at
+        once, flattened."""
+        words = []
+        for u in cutlass.range_constexpr(ID_BATCH):
+            words.extend(self._load_slot(ids, wts, ids64, cutlass.min(j0 + 32 * u + lane, i_hi - 1)))
+        return tuple(words)
+
+    @cute.kernel
+    def k_dispatch_local(
+        self,
+        own: Int64,
+        slots: Int64,
+        status: Int64,
+        x_arg: Int64,
+        ids_arg: Int64,
+        wts_arg: Int64,
+        out_arg: Int64,
+        ntok_arg: Int32,
+        ids64_arg: Int32,
+        ticket: Int32,
+    ):
+        """World size 1: publish and dispatch as one kernel, the ring rows quantised straight from the caller's x
+        (bit-identical to publish + dispatch: the same quantisation, routing checks and row order), so the call's
+        first kernel boundary and the published copy are gone. Each CTA: its first routing entries loaded at once
+        beside one thread's ERR -> INUSE (CAS) -> GEN round trips; then as dispatch steps 2-4 (with publish's
+        checks: BAD recorded and dropped slots' combine rows zeroed by CTA 0); the last CTA past the ranking ends
+        the publish (GEN = READY = g, NTOK, OUT) and releases OFFS = g; then step 5 quantises the owned rows.
+        Arguments by value or from the slot path's argument block, as publish."""
+        K, REL = self.K, self.REL
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        speer, sntok, sflag, sids, scur, soff, stot, sscan, ssrc = self._dispatch_smem()
+        x, ids, wts, out, ntok, ids64 = x_arg, ids_arg, wts_arg, out_arg, ntok_arg, ids64_arg
+        if slots != 0:  # the argument block the host's copy wrote just before this launch (every thread reads it)
+            x, ids, wts, out = ld_u64(slots), ld_u64(slots + 8), ld_u64(slots + 16), ld_u64(slots + 24)
+            ntok = Int32(ld_u64(slots + 32))
+            ids64 = Int32(ld_u64(slots + 40))
+        c0, c1 = self._chunk(ntok * K, warp)
+        # this lane's first ID_BATCH entries (id, weight), in flight beside the state words
+        pre = (Int64(0), Int32(0)) * ID_BATCH
+        if c0 < c1:
+            pre = self._load_slots(ids, wts, ids64, c0, c1, lane)
+        # the state, on one thread of the last warp (whose chunk is the last to hold entries): the workspace taken
+        # (ERR clear, INUSE CAS 0 -> ticket), then the generation this call makes (read after the CAS: the GEN of
+        # the last call that held the workspace)
+        gen = Int32(0)
+        if tid == THREADS - 32:
+            ok = Int32(0)
+            if ld_u32(own + SIG_ERR * 4) == 0:
+                held = atom_cas_u32(own + SIG_INUSE * 4, 0, ticket, "gpu", "acq_rel")
+                if held == 0 or held == ticket:
+                    ok = Int32(1)
+                    gen = ld_u32(own + SIG_GEN * 4)
+                else:
+                    record_error(own + SIG_ERR * 4, KIND_BUSY, 0, ticket, held)
+            sflag[0] = ok
+            sntok[0] = ntok
+        for i in cutlass.range(tid, WARPS * REL, THREADS, unroll=1):
+            scur[i] = 0
+        cute.arch.sync_threads()
+        if sflag[0] == 1:
+            # W1 (PDL) may launch now: it acquires INUSE (taken above), OFFS and each block's L1_FULL before it reads
+            # anything of the call, so it streams its first weights while the rows are made
+            cute.arch.griddepcontrol_launch_dependents()
+            # 2. this warp's entries: checked (CTA 0 records BAD, zeroes dropped slots' combine rows), counted
+            for j0 in cutlass.range(c0, c1, 32 * ID_BATCH, unroll=1):
+                loaded = pre
+                if j0 != c0:
+                    loaded = self._load_slots(ids, wts, ids64, j0, c1, lane)
+                for u in cutlass.range_constexpr(ID_BATCH):
+                    i = j0 + 32 * u + lane
+                    if i < c1:
+                        v, _ = self._check_slot(own, i, loaded[2 * u], loaded[2 * u + 1], Int32(cta == 0))
+                        self._count_entry(v, Int32(0), i, warp, scur, sids)
+            if tid == THREADS - 32:
+                sflag[1] = gen + 1
+            cute.arch.sync_threads()
+            # 3. totals, cursors, offsets (CTA 0 writes them); 4. rows of the owned blocks' entries
+            self._offsets(own, scur, soff, stot, sscan, tid, warp, lane, Int32(cta == 0))
+            self._assign_rows(own, sntok, sids, scur, ssrc, c0, c1, warp, lane)
+            g = sflag[1]
+            if tid == 0:
+                self._release_offs(own, g, True, slots, status, ntok, out)
+            # 5. quantise the rows of the owned blocks, then tag each block with the generation
+            self._fill_blocks(own, speer, soff, stot, ssrc, g, True, x, wts)
+
+    @cute.jit
+    def dispatch_local(
+        self,
+        own: Int64,
+        slots: Int64,
+        status: Int64,
+        x: Int64,
+        ids: Int64,
+        wts: Int64,
+        out: Int64,
+        ntok: Int32,
+        ids64: Int32,
+        ticket: Int32,
+        nctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.k_dispatch_local(own, slots, status, x, ids, wts, out, ntok, ids64, ticket).launch(
+            grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=self.dispatch_shared.size_in_bytes(), stream=stream
+        )
+
     # ---------------------------------------------------------------- finalize (+ the combined signal)
+    @cute.jit
+    def _load_pieces(self, comb: Int64, shared: Int64, it: Int32):
+        """The k + S 16-byte pieces output piece `it` (token it // (H / 8), 8 columns) sums, all loads in flight at
+        once: its k combine rows, then its S shared rows; as (k + S) x 4 words."""
+        K, S, H = self.K, self.S, self.H
+        t = it // (H // 8)
+        c = it - t * (H // 8)
+        words = []
+        for j in cutlass.range_constexpr(K + S):
+            if cutlass.const_expr(j < K):
+                words.extend(ld_v4(comb + (Int64(t * K + j) * H + c * 8) * 2))
+            else:
+                words.extend(ld_v4(shared + (Int64(t * S + j - K) * H + c * 8) * 2))
+        return tuple(words)
+
+    @cute.jit
+    def _store_sum(self, out: Int64, it: Int32, words: tuple):
+        """out piece `it` = bf16 of the fp32 sum of its pieces' bf16 values in slot order (_load_pieces)."""
+        H = self.H
+        t = it // (H // 8)
+        c = it - t * (H // 8)
+        acc = [Float32(0.0)] * 8
+        for j in cutlass.range_constexpr(self.K + self.S):
+            for h in cutlass.range_constexpr(4):
+                w = words[4 * j + h]
+                lo_v = bits_to_f32(w << 16)
+                hi_v = bits_to_f32(w & -65536)
+                if cutlass.const_expr(j == 0):
+                    acc[2 * h] = lo_v
+                    acc[2 * h + 1] = hi_v
+                else:
+                    acc[2 * h] = acc[2 * h] + lo_v
+                    acc[2 * h + 1] = acc[2 * h + 1] + hi_v
+        st_v4(
+            out + (Int64(t) * H + c * 8) * 2,
+            cvt_bf16x2(acc[1], acc[0]),
+            cvt_bf16x2(acc[3], acc[2]),
+            cvt_bf16x2(acc[5], acc[4]),
+            cvt_bf16x2(acc[7], acc[6]),
+        )
+
     @cute.kernel
     def k_finalize(
         self,
@@ -636,6 +989,15 @@ class CommKernels:
         sflag = st.flag.get_tensor(cute.make_layout(4))
         sout = st.out.get_tensor(cute.make_layout(1))
         self._stage_peers(peers, speer, tid)
+        # P = 1 with the output and T by value: this thread's first output piece's combine / shared rows loaded now,
+        # beside the state words below (W2, the only writer, has finished), so both take one round trip
+        it0 = cta * THREADS + tid
+        pre = Int32(0)
+        words = (Int32(0),) * (4 * (K + S))
+        if cutlass.const_expr(P == 1):  # noqa: SIM102  (a compile-time branch around a run-time one)
+            if out_arg != 0 and it0 < ntok_arg * (H // 8):
+                pre = Int32(1)
+                words = self._load_pieces(peers[0] + self.o["combine"], shared, it0)
         cute.arch.sync_threads()
         own = speer[rank]
         if tid == 0:
@@ -686,31 +1048,10 @@ class CommKernels:
         per_tok = H // 8
         comb = own + self.o["combine"]
         if sflag[0] == 1:
-            for it in cutlass.range(cta * THREADS + tid, t_count * per_tok, F * THREADS, unroll=1):
-                t = it // per_tok
-                c = it - t * per_tok
-                acc = [Float32(0.0)] * 8
-                for j in cutlass.range_constexpr(K + S):
-                    if cutlass.const_expr(j < K):
-                        w = ld_v4(comb + (Int64(t * K + j) * H + c * 8) * 2)
-                    else:
-                        w = ld_v4(shared + (Int64(t * S + j - K) * H + c * 8) * 2)
-                    for h in cutlass.range_constexpr(4):
-                        lo_v = bits_to_f32(w[h] << 16)
-                        hi_v = bits_to_f32(w[h] & -65536)
-                        if cutlass.const_expr(j == 0):
-                            acc[2 * h] = lo_v
-                            acc[2 * h + 1] = hi_v
-                        else:
-                            acc[2 * h] = acc[2 * h] + lo_v
-                            acc[2 * h + 1] = acc[2 * h + 1] + hi_v
-                st_v4(
-                    out + (Int64(t) * H + c * 8) * 2,
-                    cvt_bf16x2(acc[1], acc[0]),
-                    cvt_bf16x2(acc[3], acc[2]),
-                    cvt_bf16x2(acc[5], acc[4]),
-                    cvt_bf16x2(acc[7], acc[6]),
-                )
+            for it in cutlass.range(it0, t_count * per_tok, F * THREADS, unroll=1):
+                if pre == 0 or it != it0:
+                    words = self._load_pieces(comb, shared, it)
+                self._store_sum(out, it, words)
             cute.arch.sync_threads()
             if tid == 0:
                 fence_gpu()
@@ -764,7 +1105,7 @@ def compiled(shape: CommShape, arch: str) -> dict:
     s = shape.spec
     masked = "_m" if shape.masked_ids else ""
     tag = f"p{s.ranks}_h{s.hidden}_e{s.local_experts}s{s.shared}_k{s.top_k}_bm{s.bm}{masked}"
-    return {
+    ks = {
         "ready": compile_kernel(k.ready, i64, Int32(0), stream, arch=arch, name=f"comm_ready_{tag}"),
         "publish": compile_kernel(
             k.publish,
@@ -778,7 +1119,7 @@ def compiled(shape: CommShape, arch: str) -> dict:
             name=f"comm_publish_{tag}",
         ),
         "dispatch": compile_kernel(
-            k.dispatch, peers, Int32(0), i64, Int32(1), stream, arch=arch, name=f"comm_dispatch_{tag}"
+            k.dispatch, peers, Int32(0), i64, Int32(0), Int32(1), stream, arch=arch, name=f"comm_dispatch_{tag}"
         ),
         "finalize": compile_kernel(
             k.finalize,
@@ -796,3 +1137,16 @@ def compiled(shape: CommShape, arch: str) -> dict:
             name=f"comm_finalize_{tag}",
         ),
     }
+    if s.ranks == 1:  # publish + dispatch in one kernel
+        ks["dispatch_local"] = compile_kernel(
+            k.dispatch_local,
+            *(i64,) * 7,
+            Int32(0),
+            Int32(0),
+            Int32(1),
+            Int32(1),
+            stream,
+            arch=arch,
+            name=f"comm_dispatch_local_{tag}",
+        )
+    return ks

@@ -31,6 +31,10 @@ with each other: there is no trailing cross-rank barrier):
     wait         recv[r][g % 2] == P (acquire) ; read combine (check combine_gen[r][q] == g for all q)
     tail         recv[r][g % 2] = 0 (for generation g + 2) ; CGEN = g ; INUSE = 0 (release)  (three steps)
 
+World size 1 with small calls runs publish and dispatch as one kernel (kernels.py k_dispatch_local): the same steps
+for its one rank, with g = the GEN read after taking INUSE, plus one, and GEN = READY = g written by the last CTA past
+the ranking under the same release as OFFS = g (no rank waits on READY at P = 1; W1 acquires OFFS).
+
 Calls: one lane (Config.lanes = 1) issues its calls in order on one stream, ticket fixed; lanes = 2 (ranks = 1):
 two streams' calls race for one workspace: one takes it, the other is refused (BUSY) or takes it once freed.
 On one lane INUSE and CGEN are redundant (the stream orders the calls); with two lanes compute's INUSE wait and

@@ -60,10 +60,14 @@ def scatter_stand_in(ws: Workspace, combine_of: list[torch.Tensor]) -> None:
 class VirtualRanks:
     """P ranks of one ring spec on one device, each with its own stream."""
 
-    def __init__(self, spec: RingSpec, device, workspaces: list[Workspace] | None = None, **comm_kwargs):
+    def __init__(
+        self, spec: RingSpec, device, workspaces: list[Workspace] | None = None, fused: bool = True, **comm_kwargs
+    ):
         """workspaces: the ranks' workspaces if already built (e.g. [Workspace.symmetric(spec)] for the one rank
-        of a world-size-1 group); by default Workspace.virtual(spec, device)."""
+        of a world-size-1 group); by default Workspace.virtual(spec, device). fused: at P = 1 publish + dispatch as
+        the layer runs them, one kernel (CommRank.publish_dispatch); False: the two kernels."""
         self.spec = spec
+        self.fused = fused and spec.ranks == 1
         self.ws = workspaces if workspaces is not None else Workspace.virtual(spec, device)
         if len(self.ws) != spec.ranks:
             raise ValueError(f"VirtualRanks: {len(self.ws)} workspaces for P = {spec.ranks}")
@@ -101,13 +105,17 @@ class VirtualRanks:
                 rank.ws.views.combine.fill_(float("nan"))
                 rank.ws.views.ring_x.fill_(0x7F)  # E4M3 NaN
                 rank.ws.views.ring_src.fill_(-7)
-            rank.publish(xs[r], topk_ids[r], topk_weights[r])
+            if self.fused:
+                rank.publish_dispatch(xs[r], topk_ids[r], topk_weights[r])
+            else:
+                rank.publish(xs[r], topk_ids[r], topk_weights[r])
 
         # Enqueued phase by phase, so every rank's READY is enqueued before any dispatch spins on it: in ONE process
         # a kernel's first launch may load its module, and CUDA's lazy loading can wait for running kernels — a
         # spinning dispatch whose peer's READY sits behind such a load would wait out its bound.
         each(publish, "publish")
-        each(lambda r, rank: rank.dispatch(), "dispatch")
+        if not self.fused:
+            each(lambda r, rank: rank.dispatch(), "dispatch")
         each(lambda r, rank: scatter_stand_in(rank.ws, [w.views.combine for w in self.ws]), "compute")
         each(lambda r, rank: rank.finalize(outs[r], None if shared_rows is None else shared_rows[r]), "finalize")
         for stream in self.streams:

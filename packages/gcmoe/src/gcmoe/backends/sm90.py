@@ -424,10 +424,10 @@ class Lane:
         return self.streams[comm_sms]
 
     def _enqueue(self, bucket: int, ticket: int, publish, out: torch.Tensor | None):
-        """The five kernels of one call as role nodes (gcmoe_greenctx.enqueue_roles): publish + dispatch on this
-        lane's comm stream, W1, W2, finalize on its compute stream, forked from and joined back to the current
-        stream; comm_sms = 0 for the bucket: all five in order on the current stream. publish() enqueues the publish
-        launch (by value or from the argument block)."""
+        """The kernels of one call as role nodes (gcmoe_greenctx.enqueue_roles): publish + dispatch on this lane's
+        comm stream (one kernel at world size 1: CommRank.publish_dispatch), W1, W2, finalize on its compute stream,
+        forked from and joined back to the current stream; comm_sms = 0 for the bucket: all in order on the current
+        stream. publish(dispatch_ctas) enqueues publish + dispatch (arguments by value or from the argument block)."""
         from gcmoe_greenctx import RoleNodes, enqueue_roles
 
         plan = self.plan
@@ -444,8 +444,7 @@ class Lane:
         finalize_ctas = self.comm.finalize_grid(bucket)
 
         def dispatch():
-            publish()
-            self.comm.dispatch(dispatch_ctas)
+            publish(dispatch_ctas)
             if probe is not None:
                 record_smids(probe[0], 20_000)
 
@@ -493,7 +492,8 @@ class Lane:
         self._load_gemms(self.plan.kernel_config(bucket), self.plan.policy.mode_for(bucket))  # (outside the capture)
         out = torch.empty(t, self.plan.cfg.hidden_size, dtype=torch.bfloat16, device=x.device)
         ticket = new_ticket()
-        self._enqueue(bucket, ticket, lambda: self.comm.publish(x, topk_ids, topk_weights, ticket), out)
+        publish = lambda ctas: self.comm.publish_dispatch(x, topk_ids, topk_weights, ticket, ctas, bucket)
+        self._enqueue(bucket, ticket, publish, out)
         return out
 
     # -- the eager path: the bucket's graph, arguments through the host slots
@@ -505,7 +505,9 @@ class Lane:
 
             ticket = new_ticket()
             ctas = self.comm.publish_ctas(bucket)
-            publish = lambda: self.comm.publish_slots(self.args.data_ptr(), self.status.data_ptr(), ticket, ctas)
+            publish = lambda dispatch_ctas: self.comm.publish_dispatch_slots(
+                self.args.data_ptr(), self.status.data_ptr(), ticket, ctas, dispatch_ctas, bucket
+            )
             torch.cuda.synchronize(self.plan.device)  # (never under a capture) no call of this lane in flight anywhere
             comm_sms = self.plan.policy.mode_for(bucket)
             self._load_gemms(self.plan.kernel_config(bucket), comm_sms)  # compile + load outside the capture
