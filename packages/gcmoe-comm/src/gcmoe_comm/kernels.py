@@ -263,6 +263,29 @@ class CommKernels:
         self.k_ready(own, ntok).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream)
 
     @cute.jit
+    def _call_args(self, slots: Int64, x: Int64, ids: Int64, wts: Int64, out: Int64, ntok: Int32, ids64: Int32):
+        """The call's (x, ids, weights, out, T, ids-are-int64): as given (by value), or with slots != 0 from the
+        argument block the host's copy wrote just before this launch (every thread reads it)."""
+        if slots != 0:
+            x, ids, wts, out = ld_u64(slots), ld_u64(slots + 8), ld_u64(slots + 16), ld_u64(slots + 24)
+            ntok = Int32(ld_u64(slots + 32))
+            ids64 = Int32(ld_u64(slots + 40))
+        return x, ids, wts, out, ntok, ids64
+
+    @cute.jit
+    def _take_workspace(self, own: Int64, ticket: Int32) -> Int32:
+        """One thread: 1 if this call holds the workspace (ERR clear and INUSE taken by CAS 0 -> ticket, or held by
+        the ticket already: another CTA of the call), else 0 (held by another ticket: ERR kind BUSY recorded)."""
+        ok = Int32(0)
+        if ld_u32(own + SIG_ERR * 4) == 0:
+            held = atom_cas_u32(own + SIG_INUSE * 4, 0, ticket, "gpu", "acq_rel")
+            if held == 0 or held == ticket:
+                ok = Int32(1)
+            else:
+                record_error(own + SIG_ERR * 4, KIND_BUSY, 0, ticket, held)
+        return ok
+
+    @cute.jit
     def _load_group(self, x: Int64, t: Int32, c: Int32, lane: Int32):
         """Lane's 4 bf16 values (two 32-bit words) of token t's 128-value group c of x."""
         col = Int64(t) * self.H + c * 128 + lane * 4
@@ -385,11 +408,7 @@ class CommKernels:
         cute.arch.griddepcontrol_launch_dependents()
         st = SmemAllocator().allocate(self.publish_shared)
         sflag = st.flag.get_tensor(cute.make_layout(4))
-        x, ids, wts, out, ntok, ids64 = x_arg, ids_arg, wts_arg, out_arg, ntok_arg, ids64_arg
-        if slots != 0:  # the argument block the host's copy wrote just before this launch (every thread reads it)
-            x, ids, wts, out = ld_u64(slots), ld_u64(slots + 8), ld_u64(slots + 16), ld_u64(slots + 24)
-            ntok = Int32(ld_u64(slots + 32))
-            ids64 = Int32(ld_u64(slots + 40))
+        x, ids, wts, out, ntok, ids64 = self._call_args(slots, x_arg, ids_arg, wts_arg, out_arg, ntok_arg, ids64_arg)
         ngroups = ntok * HS
         nslots = ntok * K
         gi0 = cta * WARPS + warp
@@ -401,14 +420,7 @@ class CommKernels:
         if i0 < nslots:
             e64, wb = self._load_slot(ids, wts, ids64, i0)
         if tid == 0:
-            ok = Int32(0)
-            if ld_u32(own + SIG_ERR * 4) == 0:
-                held = atom_cas_u32(own + SIG_INUSE * 4, 0, ticket, "gpu", "acq_rel")
-                if held == 0 or held == ticket:
-                    ok = Int32(1)
-                else:
-                    record_error(own + SIG_ERR * 4, KIND_BUSY, 0, ticket, held)
-            sflag[0] = ok
+            sflag[0] = self._take_workspace(own, ticket)
         cute.arch.sync_threads()
         if sflag[0] == 1:
             for gi in cutlass.range(gi0, ngroups, nctas * WARPS, unroll=1):
@@ -848,11 +860,7 @@ class CommKernels:
         warp = tid // 32
         lane = tid % 32
         speer, sntok, sflag, sids, scur, soff, stot, sscan, ssrc = self._dispatch_smem()
-        x, ids, wts, out, ntok, ids64 = x_arg, ids_arg, wts_arg, out_arg, ntok_arg, ids64_arg
-        if slots != 0:  # the argument block the host's copy wrote just before this launch (every thread reads it)
-            x, ids, wts, out = ld_u64(slots), ld_u64(slots + 8), ld_u64(slots + 16), ld_u64(slots + 24)
-            ntok = Int32(ld_u64(slots + 32))
-            ids64 = Int32(ld_u64(slots + 40))
+        x, ids, wts, out, ntok, ids64 = self._call_args(slots, x_arg, ids_arg, wts_arg, out_arg, ntok_arg, ids64_arg)
         c0, c1 = self._chunk(ntok * K, warp)
         # this lane's first ID_BATCH entries (id, weight), in flight beside the state words
         pre = (Int64(0), Int32(0)) * ID_BATCH
@@ -863,14 +871,9 @@ class CommKernels:
         # the last call that held the workspace)
         gen = Int32(0)
         if tid == THREADS - 32:
-            ok = Int32(0)
-            if ld_u32(own + SIG_ERR * 4) == 0:
-                held = atom_cas_u32(own + SIG_INUSE * 4, 0, ticket, "gpu", "acq_rel")
-                if held == 0 or held == ticket:
-                    ok = Int32(1)
-                    gen = ld_u32(own + SIG_GEN * 4)
-                else:
-                    record_error(own + SIG_ERR * 4, KIND_BUSY, 0, ticket, held)
+            ok = self._take_workspace(own, ticket)
+            if ok == 1:
+                gen = ld_u32(own + SIG_GEN * 4)
             sflag[0] = ok
             sntok[0] = ntok
         for i in cutlass.range(tid, WARPS * REL, THREADS, unroll=1):
