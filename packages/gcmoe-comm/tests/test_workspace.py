@@ -181,3 +181,17 @@ def test_finalize_argument_errors(rank):
     shared._ntok = 4
     with pytest.raises(ValueError, match=r"shared_rows must be bf16 \(4, 1, 256\)"):
         shared.finalize(torch.empty(4, 256, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "model, one_kernel_up_to",
+    [("deepseek-v4-flash", 32), ("deepseek-v3", 16), ("glm-5", 16)],
+)
+def test_one_kernel_publish_dispatch_only_at_world_size_one_and_small_rings(model, one_kernel_up_to):
+    """publish_dispatch's choice (LOCAL_DISPATCH_MAX_BYTES of ring rows, T (k + S) H): one kernel exactly where the
+    H200 side-by-side run measured it faster (V4-Flash T <= 32, DeepSeek-V3 / GLM-5 T <= 16), never at P > 1."""
+    for p in (1, 2):
+        cfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=256).replace(ep_size=p)
+        rank = CommRank(Workspace.virtual(RingSpec.from_config(cfg, 8), "cpu")[0], timeout_ms=10)
+        chosen = [t for t in (1, 2, 4, 8, 16, 32, 64, 128, 256) if rank.local_dispatch(t)]
+        assert chosen == ([t for t in (1, 2, 4, 8, 16, 32) if t <= one_kernel_up_to] if p == 1 else []), (p, chosen)
