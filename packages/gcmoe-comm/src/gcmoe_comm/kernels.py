@@ -322,7 +322,7 @@ class CommKernels:
     @cute.jit
     def _load_slot(self, ids: Int64, wts: Int64, ids64: Int32, i: Int32):
         """(id as Int64, weight bits) of published slot i = t K + j (a routed slot j < k; the values of a shared slot
-        j >= k are made by _publish_slot, these are then unused loads of slot t k + 0)."""
+        j >= k are made by _check_slot, these are then unused loads of slot t k + 0)."""
         t = i // self.K
         src = Int64(t) * self.KR + cutlass.min(i - t * self.K, self.KR - 1)
         wb = ld_u32(wts + src * 4)
@@ -482,6 +482,19 @@ class CommKernels:
         return tuple(ld_u32(pa + Int64(cutlass.min(j0 + 32 * u + lane, i_hi - 1)) * 4) for u in range(ID_BATCH))
 
     @cute.jit
+    def _ring_expert(self, e: Int32, lo: Int32, own_tokens: Int32) -> Int32:
+        """The ring expert of published id e on the rank whose routed experts are [lo, lo + EL): e - lo for those,
+        EL + e - E for a shared id (>= E) of the rank's own tokens (own_tokens != 0), else -1 (another rank's
+        expert, or a dropped slot)."""
+        v = Int32(-1)
+        d = e - lo
+        if d >= 0 and d < self.EL:
+            v = d
+        if own_tokens != 0 and e >= self.E:
+            v = self.EL + e - self.E
+        return v
+
+    @cute.jit
     def _count_entry(self, v: Int32, q: Int32, j: Int32, warp: Int32, scur: cute.Tensor, sids: cute.Tensor):
         """Step 2 for one entry j of rank q's routing: its ring expert v (-1: not this rank's) into smem, counted in
         the warp's table."""
@@ -635,7 +648,7 @@ class CommKernels:
         lane = tid % 32
         n = nvalid * HS
         for k0 in cutlass.range(warp * QUANT_BATCH, n, WARPS * QUANT_BATCH, unroll=1):
-            words = []
+            words = []  # per item: the lane's two x words, the row's routing weight bits, its combine row
             for u in cutlass.range_constexpr(QUANT_BATCH):
                 kk = cutlass.min(k0 + u, n - 1)
                 r = kk // HS
@@ -644,20 +657,19 @@ class CommKernels:
                 w = Int32(ONE_F32)
                 if kk == r * HS and j < KR:  # a row's group 0 also stores its routing weight
                     w = ld_u32(wts + (Int64(t) * KR + j) * 4)
-                words.append(w)
+                words.extend((w, t * K + j))
             for u in cutlass.range_constexpr(QUANT_BATCH):
                 k = k0 + u
                 if k < n:
                     r = k // HS
                     c = k - r * HS
                     row = row0 + r
-                    _, t, j = self._row_src(own, ssrc, lb, r, row)
                     qdst = own + o["ring_x"] + Int64(row) * H + c * 128 + lane * 4
                     sdst = own + o["ring_sxT"] + (Int64(c) * CAP + row) * 4
-                    self._quantize_group(words[3 * u], words[3 * u + 1], qdst, sdst, lane)
+                    self._quantize_group(words[4 * u], words[4 * u + 1], qdst, sdst, lane)
                     if c == 0 and lane == 0:
-                        st_u32(own + o["ring_w"] + Int64(row) * 4, words[3 * u + 2])
-                        st_u32(own + o["ring_dst"] + Int64(row) * 4, t * K + j)
+                        st_u32(own + o["ring_w"] + Int64(row) * 4, words[4 * u + 2])
+                        st_u32(own + o["ring_dst"] + Int64(row) * 4, words[4 * u + 3])
 
     @cute.jit
     def _fill_blocks(
@@ -791,12 +803,7 @@ class CommKernels:
                     for u in cutlass.range_constexpr(ID_BATCH):
                         j = j0 + 32 * u + lane
                         if j < i_hi:
-                            e = ids[u] - lo
-                            v = Int32(-1)
-                            if e >= 0 and e < EL:
-                                v = e
-                            if q == rank and ids[u] >= self.E:
-                                v = EL + ids[u] - self.E
+                            v = self._ring_expert(ids[u], lo, Int32(q == rank))
                             self._count_entry(v, q, j, warp, scur, sids)
                 start = start + n
             cute.arch.sync_threads()
@@ -891,8 +898,8 @@ class CommKernels:
                 for u in cutlass.range_constexpr(ID_BATCH):
                     i = j0 + 32 * u + lane
                     if i < c1:
-                        v, _ = self._check_slot(own, i, loaded[2 * u], loaded[2 * u + 1], Int32(cta == 0))
-                        self._count_entry(v, Int32(0), i, warp, scur, sids)
+                        e, _ = self._check_slot(own, i, loaded[2 * u], loaded[2 * u + 1], Int32(cta == 0))
+                        self._count_entry(self._ring_expert(e, Int32(0), Int32(1)), Int32(0), i, warp, scur, sids)
             if tid == THREADS - 32:
                 sflag[1] = gen + 1
             cute.arch.sync_threads()
