@@ -193,6 +193,7 @@ for model in args.models:
         }
         rec.update(times)
         rec.update(diffs)
+        rec["bitwise_same"] = all(torch.equal(y, first) for y in outs.values())
         recs.append(rec)
         print(json.dumps(rec), flush=True)
         del layers, graphs

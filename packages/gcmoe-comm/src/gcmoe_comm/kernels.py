@@ -275,7 +275,9 @@ class CommKernels:
     @cute.jit
     def _take_workspace(self, own: Int64, ticket: Int32) -> Int32:
         """One thread: 1 if this call holds the workspace (ERR clear and INUSE taken by CAS 0 -> ticket, or held by
-        the ticket already: another CTA of the call), else 0 (held by another ticket: ERR kind BUSY recorded)."""
+        the ticket already: another CTA of the call), else 0 (held by another ticket: ERR kind BUSY recorded).
+        (ERR beside the CAS as an acquire, one round trip fewer, measured 0.98-1.02x on the layer: not kept, H200,
+        2026-12-02, docs/benchmarks/window-pipelining-h200-2026-12-02.md.)"""
         ok = Int32(0)
         if ld_u32(own + SIG_ERR * 4) == 0:
             held = atom_cas_u32(own + SIG_INUSE * 4, 0, ticket, "gpu", "acq_rel")

@@ -583,7 +583,9 @@ class GroupedGemmSm90:
             # w, issue its WGMMAs; decode subtile 1 while they run (cfg.overlap; else before them), issue its WGMMAs
             # (two commit groups). The wait is unconditional and waits for all before any accumulator is read or
             # fragment 0 rewritten: otherwise ptxas serialises every WGMMA (C7513 / C7515, e.g. for a wait under
-            # `if w > 0`, or a promote after wait_group(1); the compile test checks the waits per QGMMA).
+            # `if w > 0`, or a promote after wait_group(1); the compile test checks the waits per QGMMA). Decoding the
+            # next window's subtile 0 into a second fragment slot before this wait compiles unserialised but measured
+            # 0.99-1.01x on the layer (H200, 2026-12-02, docs/benchmarks/window-pipelining-h200-2026-12-02.md).
             for w0 in cutlass.range(wa, wb, depth, unroll=1):
                 for j in cutlass.range_constexpr(depth):
                     w = w0 + j
@@ -1213,6 +1215,7 @@ class GroupedGemmSm90:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
         c_base = 128 * mt + 64 * wg + 8 * wwarp + g + 32 * sb  # intermediate column of the thread's first subtile
+        lead = wg * int(self.pair)  # the CTA that stores a row's scale: W1's half pairs share it, the first stores it
         for c in cutlass.range_constexpr(ncol):
             col = 2 * t0 + (c % 2) + 8 * (c // 2)
             m = sred[col, 0]
@@ -1230,10 +1233,7 @@ class GroupedGemmSm90:
                     hq[row, c_base + 32] = cutlass.Uint8((q2 >> 8) & 0xFF)
                 if warp == 0:
                     if g == 0:
-                        if cutlass.const_expr(self.pair):
-                            if wg == 0:
-                                hsT[mt, row] = bits_to_f32((127 + ex) << 23)
-                        else:
+                        if lead == 0:
                             hsT[mt, row] = bits_to_f32((127 + ex) << 23)
         cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
 
