@@ -185,8 +185,7 @@ class CommRank:
         and dropped: no rank computes that slot, and its combine row is zeroed (masked_ids: an id of -1 is dropped
         the same way, unrecorded)."""
         args = self._publish_args(x, topk_ids, topk_weights, ticket)
-        z = self._zero
-        self.kernels["publish"](self._base_arg, z, z, *args, self.publish_ctas(self._ntok), self._stream())
+        self._launch_call("publish", 0, 0, args, self.publish_ctas(self._ntok))
 
     def publish_dispatch(
         self,
@@ -205,8 +204,7 @@ class CommRank:
             self.dispatch(ctas)
             return
         args = self._publish_args(x, topk_ids, topk_weights, ticket)
-        n, z = ctas or self.dispatch_grid(self._ntok), self._zero
-        self.kernels["dispatch_local"](self._base_arg, z, z, *args, n, self._stream())
+        self._launch_call("dispatch_local", 0, 0, args, ctas or self.dispatch_grid(self._ntok))
 
     def local_dispatch(self, tokens: int) -> bool:
         """Whether publish_dispatch runs as one kernel for calls of up to `tokens` tokens: world size 1, ring rows of
@@ -249,9 +247,7 @@ class CommRank:
     def publish_slots(self, args: int, status: int, ticket: int, ctas: int) -> None:
         """The slot path's publish (see the module docstring): arguments from the device argument block at `args`,
         the call's SEQ and BAD mirrored to the pinned int32 status words at `status` (0: none)."""
-        k, i64, z = self.kernels["publish"], self._i64, self._zero
-        self._ticket, self._ntok = ticket, -1
-        k(self._base_arg, i64(args), i64(status), z, z, z, z, 0, 0, ticket, ctas, self._stream())
+        self._launch_call("publish", args, status, self._slot_args(ticket), ctas)
 
     def publish_dispatch_slots(
         self, args: int, status: int, ticket: int, publish_ctas: int, ctas: int, tokens: int
@@ -262,9 +258,20 @@ class CommRank:
             self.publish_slots(args, status, ticket, publish_ctas)
             self.dispatch(ctas)
             return
-        k, i64, z = self.kernels["dispatch_local"], self._i64, self._zero
+        self._launch_call("dispatch_local", args, status, self._slot_args(ticket), ctas)
+
+    def _slot_args(self, ticket: int) -> tuple:
+        """The slot path's kernel arguments in place of _publish_args' (the kernel reads them from the argument
+        block); records the ticket, T unknown on the host (-1)."""
         self._ticket, self._ntok = ticket, -1
-        k(self._base_arg, i64(args), i64(status), z, z, z, z, 0, 0, ticket, ctas, self._stream())
+        z = self._zero
+        return (z, z, z, z, 0, 0, ticket)
+
+    def _launch_call(self, name: str, args: int, status: int, call_args: tuple, ctas: int) -> None:
+        """Launch publish or dispatch_local (kernels.CallLaunch): argument block `args` and status words `status`
+        (device addresses; 0 by value), the call's arguments (_publish_args or _slot_args), `ctas` CTAs."""
+        i64 = self._i64
+        self.kernels[name](self._base_arg, i64(args), i64(status), *call_args, ctas, self._stream())
 
     def ready(self, ntok: int) -> None:
         """The READY kernel alone (generation + 1, NTOK = ntok): for callers that wrote the published buffers

@@ -449,26 +449,6 @@ class CommKernels:
                 self._mirror_status(own, slots, status)
                 self._signal_ready(own, ntok, out, err, gen)
 
-    @cute.jit
-    def publish(
-        self,
-        own: Int64,
-        slots: Int64,
-        status: Int64,
-        x: Int64,
-        ids: Int64,
-        wts: Int64,
-        out: Int64,
-        ntok: Int32,
-        ids64: Int32,
-        ticket: Int32,
-        nctas: Int32,
-        stream: cuda.CUstream,
-    ):
-        self.k_publish(own, slots, status, x, ids, wts, out, ntok, ids64, ticket).launch(
-            grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=self.publish_shared.size_in_bytes(), stream=stream
-        )
-
     # ---------------------------------------------------------------- dispatch
     @cute.jit
     def _chunk(self, total: Int32, warp: Int32):
@@ -914,26 +894,6 @@ class CommKernels:
             # 5. quantise the rows of the owned blocks, then tag each block with the generation
             self._fill_blocks(own, speer, soff, stot, ssrc, g, True, x, wts)
 
-    @cute.jit
-    def dispatch_local(
-        self,
-        own: Int64,
-        slots: Int64,
-        status: Int64,
-        x: Int64,
-        ids: Int64,
-        wts: Int64,
-        out: Int64,
-        ntok: Int32,
-        ids64: Int32,
-        ticket: Int32,
-        nctas: Int32,
-        stream: cuda.CUstream,
-    ):
-        self.k_dispatch_local(own, slots, status, x, ids, wts, out, ntok, ids64, ticket).launch(
-            grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=self.dispatch_shared.size_in_bytes(), stream=stream
-        )
-
     # ---------------------------------------------------------------- finalize (+ the combined signal)
     @cute.jit
     def _load_pieces(self, comb: Int64, shared: Int64, it: Int32):
@@ -1107,6 +1067,40 @@ class CommKernels:
         )
 
 
+class CallLaunch:
+    """The launch of a kernel that takes a call's arguments (by value, or from the slot path's argument block):
+    publish, or with `local` the world-size-1 publish + dispatch (k_dispatch_local). One signature for both."""
+
+    def __init__(self, kernels: CommKernels, local: bool):
+        self.kernels, self.local = kernels, local
+
+    @cute.jit
+    def __call__(
+        self,
+        own: Int64,
+        slots: Int64,
+        status: Int64,
+        x: Int64,
+        ids: Int64,
+        wts: Int64,
+        out: Int64,
+        ntok: Int32,
+        ids64: Int32,
+        ticket: Int32,
+        nctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        k = self.kernels
+        if cutlass.const_expr(self.local):
+            k.k_dispatch_local(own, slots, status, x, ids, wts, out, ntok, ids64, ticket).launch(
+                grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=k.dispatch_shared.size_in_bytes(), stream=stream
+            )
+        else:
+            k.k_publish(own, slots, status, x, ids, wts, out, ntok, ids64, ticket).launch(
+                grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=k.publish_shared.size_in_bytes(), stream=stream
+            )
+
+
 @cache
 def compiled(shape: CommShape, arch: str) -> dict:
     """The kernels compiled for `arch` (no GPU needed)."""
@@ -1117,19 +1111,14 @@ def compiled(shape: CommShape, arch: str) -> dict:
     s = shape.spec
     masked = "_m" if shape.masked_ids else ""
     tag = f"p{s.ranks}_h{s.hidden}_e{s.local_experts}s{s.shared}_k{s.top_k}_bm{s.bm}{masked}"
+
+    def call_kernel(local: bool, name: str):
+        args = (*(i64,) * 7, Int32(0), Int32(0), Int32(1), Int32(1), stream)
+        return compile_kernel(CallLaunch(k, local), *args, arch=arch, name=f"comm_{name}_{tag}")
+
     ks = {
         "ready": compile_kernel(k.ready, i64, Int32(0), stream, arch=arch, name=f"comm_ready_{tag}"),
-        "publish": compile_kernel(
-            k.publish,
-            *(i64,) * 7,
-            Int32(0),
-            Int32(0),
-            Int32(1),
-            Int32(1),
-            stream,
-            arch=arch,
-            name=f"comm_publish_{tag}",
-        ),
+        "publish": call_kernel(False, "publish"),
         "dispatch": compile_kernel(
             k.dispatch, peers, Int32(0), i64, Int32(0), Int32(1), stream, arch=arch, name=f"comm_dispatch_{tag}"
         ),
@@ -1150,15 +1139,5 @@ def compiled(shape: CommShape, arch: str) -> dict:
         ),
     }
     if s.ranks == 1:  # publish + dispatch in one kernel
-        ks["dispatch_local"] = compile_kernel(
-            k.dispatch_local,
-            *(i64,) * 7,
-            Int32(0),
-            Int32(0),
-            Int32(1),
-            Int32(1),
-            stream,
-            arch=arch,
-            name=f"comm_dispatch_local_{tag}",
-        )
+        ks["dispatch_local"] = call_kernel(True, "dispatch_local")
     return ks
