@@ -43,7 +43,9 @@ def main_body(sass: str) -> str:
 
 def window_mix(mode: str, m: int, k: int, cfg) -> dict[str, float]:
     counts, qgmma = sass_loop_opcodes(main_body(compiled(mode, m, k, cfg, "sm_90a").sass()), "QGMMA")
-    windows = qgmma / (4 * (4 // cfg.warpgroups))
+    half = cfg.w1_half if mode == "w1" else cfg.w2_half  # (a half-tile CTA: one subtile per warp, as 4 warpgroups)
+    subs = 1 if half or cfg.warpgroups == 4 else 2
+    windows = qgmma / (4 * subs)
     row = {}
     for name, ops in GROUPS.items():
         n = sum(v for op, v in counts.items() if (op.startswith("U") if ops is None else op in ops))

@@ -14,7 +14,18 @@ from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import Case, make_problem
 from gcmoe_gemm_sm90.config import Sm90Config, can_implement, choose_config
 from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2, layer_config
-from gcmoe_gemm_sm90.prepack import decode_prepacked_reference, effective_weights_sm90, prepack_sm90, unpack_sm90
+from gcmoe_gemm_sm90.prepack import (
+    MAX_DD,
+    decode_prepacked_reference,
+    effective_weights_sm90,
+    lut_pair_words,
+    lut_words,
+    make_records,
+    prepack_sm90,
+    record_base,
+    record_dd,
+    unpack_sm90,
+)
 
 
 @pytest.mark.parametrize("gate_up", [False, True])
@@ -27,6 +38,23 @@ def test_roundtrip_and_decode_model(e, m, k, gate_up):
     assert torch.equal(u.packed, w.packed) and torch.equal(u.scale, w.scale)
     assert torch.equal(decode_prepacked_reference(p), effective_weights_sm90(w))
     assert torch.equal(effective_weights_sm90(w), w.dequantize()) and p.lossy_groups == 0
+
+
+def test_scale_records_give_the_kernels_offsets_and_base_by_masks():
+    """What decode_subtile computes from a record with two ANDs and a shift: the pair table's byte offsets of steps
+    0-1 and 2-3 (16 x entry, the entry holding LUT[dd] of both steps) and 2^(base - 127) as fp32 bits."""
+    g = torch.Generator().manual_seed(7)
+    base = torch.randint(1, 255, (4096,), generator=g)
+    dd = torch.randint(0, MAX_DD + 1, (4096, 4), generator=g)
+    rec = make_records(base, dd).to(torch.int64) & 0xFFFFFFFF
+    assert torch.equal(record_base(rec), base) and torch.equal(record_dd(rec), dd) and (rec >> 31).eq(0).all()
+    table, lut = lut_pair_words(), lut_words()
+    assert table.shape == (256, 4)
+    for h in range(2):
+        entry = table[((rec >> (8 * h)) & 0xFF0) // 16]
+        assert torch.equal(entry[:, :2], lut[dd[:, 2 * h]]) and torch.equal(entry[:, 2:], lut[dd[:, 2 * h + 1]])
+    rs = (rec & 0x7F800000).to(torch.int32).view(torch.float32)
+    assert torch.equal(rs, torch.ldexp(torch.ones(4096), base - 127))
 
 
 def test_lossy_groups_are_counted_and_emulated():

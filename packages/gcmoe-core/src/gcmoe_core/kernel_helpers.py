@@ -12,6 +12,7 @@ bulk_copy_g2s(dst, src, n, mbar)  n bytes global -> this CTA's shared memory by 
 bulk_prefetch_l2(src, n)        n bytes of global memory from src into L2 (fire and forget: nothing waits for it)
 st_cluster_f32(addr, rank, v)  store v at shared address addr of CTA `rank` of this cluster (distributed shared memory)
 ld_cluster_u32(addr, rank)     the 32-bit word at shared address addr of CTA `rank` of this cluster
+ld_shared_v4(addr)             the four 32-bit words at 16-byte aligned shared address addr in one vector load
 fp8_pow2_exponent(amax)        e of the power-of-two FP8 scale, smallest 2^e with amax <= 448 * 2^e, in [-126, 126]
                                (formats.fp8_scale_for_amax, bit-exact; amax = 0 gives e = 0)
 """
@@ -125,6 +126,16 @@ def ld_cluster_u32(smem_addr, rank, *, loc=None, ip=None):
     Weak: order it after the owner's store with barrier.cluster arrive (release) / wait (acquire)."""
     text = "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, $1, $2;\nld.shared::cluster.u32 $0, [ra];\n}"
     return Int32(inline_ptx(T.i32(), [Int32(smem_addr), Int32(rank)], text, "=r,r,r,~{memory}", loc, ip))
+
+
+@dsl_user_op
+def ld_shared_v4(smem_addr, *, loc=None, ip=None):
+    """ld.shared.v4.u32 at 16-byte aligned shared address smem_addr, as four Int32. Pure (no memory clobber): it may
+    move, but not before what its address depends on; the caller orders it after the stores it reads."""
+    i32 = T.i32()
+    text = "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];"
+    res = inline_ptx(llvm.StructType.get_literal([i32] * 4), [Int32(smem_addr)], text, "=r,=r,=r,=r,r", loc, ip, False)
+    return tuple(Int32(llvm.extractvalue(i32, res, [i], loc=loc, ip=ip)) for i in range(4))
 
 
 @cute.jit

@@ -70,6 +70,7 @@ WINDOW_K = 128
 TILE_M = 256
 WINDOW_WEIGHT_BYTES = TILE_M * WINDOW_K // 2  # one CTA tile's FP4 weights of one 128-K window (16 KB)
 WINDOW_SCALE_BYTES = TILE_M * 4  # its scale records, one int32 per weight row
+LUT_PAIR_BYTES = 256 * 16  # the decode tables by pairs of k32 steps in shared memory (prepack.lut_pair_words)
 # active-first grid rows where fewer than half the experts are expected to have rows: 1.04-1.12x faster at one token
 # per rank (75-80 % of the experts empty), 0.97-1.0x at 8-32 tokens (13 % or fewer empty), side by side, H200,
 # 2026-11-29 (sm90-grouped-v7 runs S and R)
@@ -156,7 +157,8 @@ def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1, half: bool = False) -> 
     rows = TILE_M // 2 if half else TILE_M
     stage = n * WINDOW_K + rows * WINDOW_K // 2 + rows * 4  # activation box, weights, scale records
     red = 4 * n * (8 if half else 4 * cfg.warpgroups)  # the W1 epilogue's per-warp amax
-    fixed = 16 * cfg.stages + 128 + 16 + red + 4 * nw * n + 4 * n + 1024 + 128 + 16  # (+ W1's routing weights)
+    # mbarriers, the decode's pair table, flags, amax, the N tile's activation scales and routing weights, alignment
+    fixed = 16 * cfg.stages + LUT_PAIR_BYTES + 16 + red + 4 * nw * n + 4 * n + 1024 + 128 + 16
     fixed += 4 * 5 * 8 if cfg.stream_k else 4  # stream_k's table of a CTA's first 8 tiles
     fixed += 8 * n if half else 4  # W1 half pairs: the partner's column maxima of two pieces
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)

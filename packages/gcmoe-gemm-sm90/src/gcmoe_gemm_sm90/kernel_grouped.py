@@ -31,7 +31,8 @@ box by TMA and the window's 16 KB of prepacked weights and 1 KB of scale records
 stage's mbarrier. The activation boxes start at the expert's first row (any multiple of 8: a TMA box reaches into
 the next expert's rows or past the end, which reads zeros; those token columns are computed and never stored).
 Every thread reads its own weight fragments from the stage with 16-byte shared loads (conflict-free), decodes them
-in registers (decode_ptx: split-sign layout, per-group LUT from shared memory) and issues m64nNk32 WGMMAs with A from
+in registers (decode_ptx: split-sign layout, per-group LUT from shared memory: one 16-byte entry of prepack's pair
+table holds two k32 steps' tables, found by masks of the row's scale record) and issues m64nNk32 WGMMAs with A from
 registers and B (tokens) from the stage. Each window's WGMMAs accumulate into a window
 accumulator that is then promoted into the main accumulator with the window's weight base scale and the tokens'
 activation scales (two-level FP32 accumulation; the N tile's scales of every window are staged in shared memory once,
@@ -72,7 +73,7 @@ Inputs (see ops.py for how they are made):
     sxT    fp32  [W, R]                activation scales, transposed (powers of two)
     offs   int32 [E + 1]               padded row offsets; count = cnt[e]
     cnt    int32 [E]                   valid rows of each expert
-    lut    int32 [32]                  LUT[dd] words (prepack.lut_words)
+    lut    int32 [256, 4]              the decode tables by pairs of k32 steps (prepack.lut_pair_words)
     W1: rw fp32 [R] routing weight per row; hq uint8 [R, M/2] FP8 intermediate; hsT fp32 [M/256, R] its scales
     W2: dst int32 [R] output row per input row; src int32 [R, 3] its (rank, token, slot); comb int64 [P] the output
         buffer (bf16 [*, M]) of every rank
@@ -129,13 +130,15 @@ from gcmoe_core.kernel_helpers import (
     fmin_nan,
     fp8_pow2_exponent,
     ld_cluster_u32,
+    ld_shared_v4,
     st_cluster_f32,
 )
 from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_W1
 
-from .config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement, half_stages
+from .config import LUT_PAIR_BYTES, WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement, half_stages
 from .decode_ptx import DECODE8_SPLIT_SIGN_PTX
 from .kernel_decode import decode8
+from .prepack import BASE_SHIFT, PAIR_SHIFTS
 
 cutlass, cute = cutlass_modules()
 import cuda.bindings.driver as cuda  # noqa: E402
@@ -149,6 +152,11 @@ from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
 Int32, Int64, Float32 = cutlass.Int32, cutlass.Int64, cutlass.Float32
 WINDOW_K = 128
 TILE_M = 256
+LUT_PAIR_WORDS = LUT_PAIR_BYTES // 4  # the pair table (prepack.lut_pair_words): 256 entries of 16 bytes
+# a record's byte offsets into it: rec & PAIR_MASK (steps 0-1), (rec >> PAIR_STEP) & PAIR_MASK (steps 2-3)
+PAIR_MASK, PAIR_STEP = 0xFF << PAIR_SHIFTS[0], PAIR_SHIFTS[1] - PAIR_SHIFTS[0]
+BASE_MASK = 0xFF << BASE_SHIFT  # rec & BASE_MASK: 2^(base - 127) as fp32 bits
+assert PAIR_SHIFTS[0] == 4 and BASE_SHIFT == 23, "the kernel reads 16-byte entries and fp32 exponent bits"
 EPI_COLS = 4  # W2 epilogue: token columns whose output row addresses are loaded before their stores
 SK_TABLE = 8  # stream_k: tiles per CTA whose coordinates are kept in shared memory (more: located per load)
 SIG_WORDS = 8  # by-value addresses: ring mode's INUSE, CGEN, OFFS, ERR, L1_FULL, W1_DONE; stream_k's partials, counters
@@ -240,7 +248,7 @@ class GroupedGemmSm90:
         @cute.struct
         class Shared:
             mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            lut: cute.struct.MemRange[Int32, 32]
+            lut: cute.struct.Align[cute.struct.MemRange[Int32, LUT_PAIR_WORDS], 16]
             flag: cute.struct.MemRange[Int32, 8]
             red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
             ssx: cute.struct.MemRange[Float32, self.windows * self.n]
@@ -365,7 +373,8 @@ class GroupedGemmSm90:
         t0 = lane % 4
         wwarp = tw // 32  # warp within the warpgroup
 
-        slut = st.lut.get_tensor(cute.make_layout(32))
+        slut = st.lut.get_tensor(cute.make_layout(LUT_PAIR_WORDS))
+        lut_at = slut.iterator.toint()  # (decode_subtile's vector loads)
         sflag = st.flag.get_tensor(cute.make_layout(8))
         sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]
         ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1))
@@ -449,8 +458,11 @@ class GroupedGemmSm90:
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom)
+        # the decode's pair table, by warp 0 (copied by every thread, or by the bulk-copy engine on an mbarrier, ptxas
+        # spilled registers at N 80: gpt-oss' W2 with its bias)
         if tidx < 32:
-            slut[tidx] = lut[tidx]
+            for i in cutlass.range_constexpr(LUT_PAIR_WORDS // 32):
+                slut[tidx + 32 * i] = lut[tidx + 32 * i]
 
         b_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(b_smem_staged, (None, None, 0)))
         pipe = pipeline.PipelineTmaAsync.create(
@@ -604,15 +616,15 @@ class GroupedGemmSm90:
                             self.promote(acc1, accw1, rs, ssx, w - 1, t0, 1)
                     pipe.consumer_wait(cons)
                     self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg_stage, sb, tw, srow0, j)
-                    self.decode_subtile(abuf, sbuf, slut, fw0, rs, j, 0)
+                    self.decode_subtile(abuf, sbuf, lut_at, fw0, rs, j, 0)
                     if cutlass.const_expr(self.subs == 2 and not self.cfg.overlap):
-                        self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                        self.decode_subtile(abuf, sbuf, lut_at, fw1, rs, j, 1)
                     warpgroup.fence()
                     self.mma_window(tiled_mma, accw0, frag0, tCrB, cons.index)
                     if cutlass.const_expr(self.subs == 2):
                         if cutlass.const_expr(self.cfg.overlap):
                             warpgroup.commit_group()
-                            self.decode_subtile(abuf, sbuf, slut, fw1, rs, j, 1)
+                            self.decode_subtile(abuf, sbuf, lut_at, fw1, rs, j, 1)
                             warpgroup.fence()
                         self.mma_window(tiled_mma, accw1, frag1, tCrB, cons.index)
                     warpgroup.commit_group()
@@ -1058,28 +1070,26 @@ class GroupedGemmSm90:
         self,
         abuf: cute.Tensor,
         sbuf: cute.Tensor,
-        slut: cute.Tensor,
+        lut_at: Int32,
         fw: cute.Tensor,
         rs: cute.Tensor,
         slot: cutlass.Constexpr,
         s: cutlass.Constexpr,
     ):
         """Subtile s of the window in `slot`: FP4 -> E4M3 A fragment (per-group LUT of its relative exponent), and the
-        2^base row scales of its two rows."""
-        for step in cutlass.range_constexpr(4):
-            h, sh = step // 2, step % 2
-            # the LUT pair of each row's relative exponent dd (record bits 16 + 4 step ..): byte offset 8 dd
-            oa = (sbuf[0, s, slot] >> (13 + 4 * step)) & 0x78
-            ob = (sbuf[1, s, slot] >> (13 + 4 * step)) & 0x78
-            la, lb = oa >> 2, ob >> 2  # word index 2 dd
-            a0, a2 = decode8(abuf[2 * sh, h, s, slot], slut[la], slut[la + 1], DECODE8_SPLIT_SIGN_PTX)
-            a1, a3 = decode8(abuf[2 * sh + 1, h, s, slot], slut[lb], slut[lb + 1], DECODE8_SPLIT_SIGN_PTX)
-            fw[4 * step + 0] = a0
-            fw[4 * step + 1] = a1
-            fw[4 * step + 2] = a2
-            fw[4 * step + 3] = a3
+        2^base row scales of its two rows. lut_at: the pair table's shared address. Per pair of k32 steps (2h, 2h + 1),
+        row by row (r0, then r0 + 8: one table entry in registers at a time): the row's entry (LUT[dd] of both steps,
+        at byte offset 16 pair) in one 16-byte load, then the row's 16 codes of the two steps."""
+        for h in cutlass.range_constexpr(2):
+            for u in cutlass.range_constexpr(2):
+                tab = ld_shared_v4(lut_at + ((sbuf[u, s, slot] >> (PAIR_STEP * h)) & PAIR_MASK))
+                for sh in cutlass.range_constexpr(2):
+                    step = 2 * h + sh
+                    lo, hi = decode8(abuf[2 * sh + u, h, s, slot], tab[2 * sh], tab[2 * sh + 1], DECODE8_SPLIT_SIGN_PTX)
+                    fw[4 * step + u] = lo  # a0 / a1 (row r0 / r0 + 8), codes 0-3
+                    fw[4 * step + 2 + u] = hi  # a2 / a3, codes 4-7
         for u in cutlass.range_constexpr(2):
-            rs[u, s] = bits_to_f32((sbuf[u, s, slot] & 0xFF) << 23)
+            rs[u, s] = bits_to_f32(sbuf[u, s, slot] & BASE_MASK)
 
     @cute.jit
     def mma_window(
@@ -1316,7 +1326,7 @@ def fake_operands(mode: str, m: int, k: int, ranks_sym=None):
         make_fake_compact_tensor(Float32, (nw, dyn()), stride_order=(1, 0), assumed_align=16),
         make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4),
         make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4),
-        make_fake_compact_tensor(Int32, (32,), assumed_align=16),
+        make_fake_compact_tensor(Int32, (LUT_PAIR_WORDS,), assumed_align=16),
     ]
     if mode == "w1":  # the W1 epilogue's operands, as the sm103 kernels take them too
         ops += list(fake_epilogue_args("w1", m, TILE_M))

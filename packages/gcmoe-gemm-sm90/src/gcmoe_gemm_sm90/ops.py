@@ -31,7 +31,7 @@ from gcmoe_core.grouping import Activations, RowLayout
 from gcmoe_core.reference import SWIGLU, Activation, MoEWeights, w1_reference, w2_reference
 
 from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config, with_halves
-from .prepack import PackedSm90, lut_words, prepack_sm90
+from .prepack import PackedSm90, lut_pair_words, prepack_sm90
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,9 @@ _CONSTS: dict[torch.device, torch.Tensor] = {}
 
 
 def _lut(dev: torch.device) -> torch.Tensor:
-    """The decode LUT words on a device, made once."""
+    """The decode tables (by pairs of k32 steps) on a device, made once."""
     if dev not in _CONSTS:
-        _CONSTS[dev] = lut_words().reshape(-1).contiguous().to(dev)
+        _CONSTS[dev] = lut_pair_words().reshape(-1).contiguous().to(dev)
     return _CONSTS[dev]
 
 

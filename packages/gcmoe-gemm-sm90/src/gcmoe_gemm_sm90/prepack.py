@@ -16,9 +16,14 @@ Tiling (operand swap: weight rows are WGMMA's M, tokens are N; K = reduction):
 
 Windowed scales (per row, per 128-K window w; one UE8M0 per 32-group q = 0..3 in the logical tensor):
     base[r, w] = max_q e[r, 4w+q];  dd[r, w, q] = min(base - e, 15)
-    record     int32 per (E, M/256, K/128, CTA row) = base | dd_q << (16 + 4q); CTA row = 128j + 64s + 16warp + 8u + g
-    the kernel decodes group q with LUT[dd] (E4M3 of the E2M1 magnitudes times 2^-dd, 16 tables in shared memory)
-    and promotes each window's accumulator with 2^(base - 127) (and the activation's per-128 scale).
+    record     int32 per (E, M/256, K/128, CTA row); CTA row = 128j + 64s + 16warp + 8u + g:
+               bits [4, 12) pair(dd_0, dd_1), [12, 20) pair(dd_2, dd_3), [23, 31) base (pair(a, b) = a | b << 4)
+    the kernel decodes group q with LUT[dd_q] (E4M3 of the E2M1 magnitudes times 2^-dd, 16 tables) and promotes each
+    window's accumulator with 2^(base - 127) (and the activation's per-128 scale). In shared memory it keeps the
+    pair table (lut_pair_words: entry pair(a, b) = LUT[a], LUT[b], 16 bytes), so one AND gives the byte offset of
+    steps 0-1's two tables (rec & 0xFF0), a shift and an AND those of steps 2-3, one AND the base as an fp32 power of
+    two (rec & 0x7F800000), and one 16-byte shared load fetches two steps' tables: 4 ALU instructions and 2 loads
+    per record, where fields at 16 + 4q took 9 and 4 (sass_sm90_mix).
 
 Effective weight = E4M3_RNE(v * 2^-dd) * 2^(base-127): exactly the MXFP4 value whenever dd <= 8 (E4M3 subnormals
 reach 2^-9 = 0.5 * 2^-8); `lossy_groups` counts the non-zero groups where it is not. W13 rows are interleaved
@@ -41,6 +46,8 @@ TILE_M = 256
 WINDOW_K = 128
 GATE_UP_GROUP = 8
 MAX_DD = 15
+PAIR_SHIFTS = (4, 12)  # record bits of pair(dd_0, dd_1) and pair(dd_2, dd_3): rec & 0xFF0 is 16 x pair(dd_0, dd_1)
+BASE_SHIFT = 23  # the base's record bits: rec & 0x7F800000 is 2^(base - 127) as fp32 bits
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,35 @@ def lut_words() -> torch.Tensor:
         b = (mags * 2.0**-dd).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
         rows.append([int(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24), int(b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24)])
     return torch.tensor(rows, dtype=torch.int64).to(torch.int32)
+
+
+def lut_pair_words() -> torch.Tensor:
+    """int32 [256, 4]: the kernel's shared-memory table, entry pair(a, b) = a | b << 4 -> LUT[a] (2 words), LUT[b]
+    (2 words): two k32 steps' decode tables in one 16-byte load at byte offset 16 pair(a, b)."""
+    lut = lut_words()
+    idx = torch.arange(256)
+    return torch.cat([lut[idx & 0xF], lut[idx >> 4]], dim=1).contiguous()
+
+
+def make_records(base: torch.Tensor, dd: torch.Tensor) -> torch.Tensor:
+    """int32 records from base [...] (0..255) and dd [..., 4] (0..MAX_DD) (the layout in the module docstring)."""
+    pairs = [dd[..., 2 * h] | dd[..., 2 * h + 1] << 4 for h in range(2)]
+    rec = base.to(torch.int64) << BASE_SHIFT | pairs[0].to(torch.int64) << PAIR_SHIFTS[0]
+    return (rec | pairs[1].to(torch.int64) << PAIR_SHIFTS[1]).to(torch.int32)
+
+
+def record_base(rec: torch.Tensor) -> torch.Tensor:
+    return (rec.to(torch.int64) >> BASE_SHIFT) & 0xFF
+
+
+def record_pair(rec: torch.Tensor, half: int) -> torch.Tensor:
+    """pair(dd_{2 half}, dd_{2 half + 1}) of each record: the pair table's entry for k32 steps 2 half, 2 half + 1."""
+    return (rec.to(torch.int64) >> PAIR_SHIFTS[half]) & 0xFF
+
+
+def record_dd(rec: torch.Tensor) -> torch.Tensor:
+    """dd [..., 4] of each record."""
+    return torch.stack([(record_pair(rec, q // 2) >> (4 * (q % 2))) & 0xF for q in range(4)], dim=-1)
 
 
 def sign_layout(data: torch.Tensor, to_split: bool) -> torch.Tensor:
@@ -129,7 +165,7 @@ def prepack_sm90(w: MXFP4Tensor, gate_up: bool = False) -> PackedSm90:
     sc = scale.view(e, mt, 256, nw, 4).to(torch.int32)
     base = sc.amax(dim=-1)
     dd = (base.unsqueeze(-1) - sc).clamp(max=MAX_DD)
-    rec = base | (dd[..., 0] << 16) | (dd[..., 1] << 20) | (dd[..., 2] << 24) | (dd[..., 3] << 28)
+    rec = make_records(base, dd)
     scales = rec.permute(0, 1, 3, 2).contiguous()  # [E, MT, W, 256]
     nonzero = unpack_nibbles(packed).view(e, m, k // 32, 32).ne(0).any(-1).view(e, mt, 256, nw, 4)
     lossy = int((nonzero & (dd > 8)).sum())
@@ -155,8 +191,7 @@ def unpack_sm90(p: PackedSm90) -> MXFP4Tensor:
                 rows[:, :, :, :, r0[tw] + 8 * u, :, :, int(bidx[tw[0], b])] = src[:, :, :, :, tw, :, :, b]
     packed = rows.view(e, p.m, p.k // 2)
     rec = p.scales.permute(0, 1, 3, 2)  # [E, MT, 256, W]
-    base = rec & 0xFF
-    dd = torch.stack([(rec >> (16 + 4 * q)) & 0xF for q in range(4)], dim=-1)
+    base, dd = record_base(rec), record_dd(rec)
     scale = (base.unsqueeze(-1) - dd).clamp(min=0).to(torch.uint8).reshape(e, p.m, p.k // 32)
     if p.gate_up:
         inv = inverse_permutation(gate_up_permutation(p.m // 2, GATE_UP_GROUP, dev))
@@ -178,11 +213,11 @@ def effective_weights_sm90(w: MXFP4Tensor) -> torch.Tensor:
 
 def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
     """What the kernel's decode computes, replayed in torch from the prepacked bytes alone (bit-exact model of the
-    register path: nibble selection, LUT[dd] lookup, sign, window base), in logical row order: fp32 [E, M, K].
+    register path: nibble selection, the pair table's entry at the record's offset, sign, window base), in logical row
+    order: fp32 [E, M, K].
     (The sign bits are read back from their split-sign positions first: decode_ptx models the PTX itself.)"""
     e, mt, nw = p.data.shape[:3]
-    lut = lut_words().to(p.data.device).to(torch.int64) & 0xFFFFFFFF
-    lut_bytes = torch.stack([(lut[:, i // 4] >> (8 * (i % 4))) & 0xFF for i in range(8)], dim=1)  # [16, 8]
+    table = lut_pair_words().to(p.data.device).to(torch.int64) & 0xFFFFFFFF  # [256, 4]
     words = sign_layout(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 4, 4)  # [.., half, tw, word, 4 B]
     words = words.to(torch.int64)
     word = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [.., half, tw, 4]
@@ -200,11 +235,12 @@ def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
                     + (r0 + 8 * u).view(1, 1, 128)
                 ).to(p.data.device)  # [j, s, tw]
                 rr = rec[:, :, :, cta_row]  # [E, MT, W, j, s, tw]
-                base = rr & 0xFF
-                dd = (rr >> (16 + 4 * step)) & 0xF
+                base = record_base(rr)
+                entry = table[record_pair(rr, half)]  # [E, MT, W, j, s, tw, 4 words]: LUT[dd_2half], LUT[dd_2half+1]
                 for nib in range(8):
                     code = (wv >> (4 * nib)) & 0xF
-                    mag = lut_bytes[dd, code & 7]
+                    lut_word = entry.gather(-1, (2 * si + (code & 7) // 4).unsqueeze(-1)).squeeze(-1)
+                    mag = (lut_word >> (8 * (code & 3))) & 0xFF
                     byte = mag | ((code & 8) << 4)
                     val = byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
                     val = val * torch.ldexp(torch.ones_like(base, dtype=torch.float32), base - 127)
