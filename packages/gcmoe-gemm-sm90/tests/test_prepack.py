@@ -12,7 +12,7 @@ from gcmoe_core.formats import quantize_mxfp4, random_mxfp4
 from gcmoe_core.grouping import group_rows, grouped_forward
 from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import Case, make_problem
-from gcmoe_gemm_sm90.config import Sm90Config, can_implement, choose_config
+from gcmoe_gemm_sm90.config import LUT_PAIR_BYTES, Sm90Config, can_implement, choose_config
 from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2, layer_config
 from gcmoe_gemm_sm90.prepack import (
     MAX_DD,
@@ -49,7 +49,7 @@ def test_scale_records_give_the_kernels_offsets_and_base_by_masks():
     rec = make_records(base, dd).to(torch.int64) & 0xFFFFFFFF
     assert torch.equal(record_base(rec), base) and torch.equal(record_dd(rec), dd) and (rec >> 31).eq(0).all()
     table, lut = lut_pair_words(), lut_words()
-    assert table.shape == (256, 4)
+    assert table.shape == (256, 4) and table.numel() * 4 == LUT_PAIR_BYTES  # (what the kernel's shared memory holds)
     for h in range(2):
         entry = table[((rec >> (8 * h)) & 0xFF0) // 16]
         assert torch.equal(entry[:, :2], lut[dd[:, 2 * h]]) and torch.equal(entry[:, 2:], lut[dd[:, 2 * h + 1]])
