@@ -1091,14 +1091,10 @@ class CallLaunch:
         stream: cuda.CUstream,
     ):
         k = self.kernels
-        if cutlass.const_expr(self.local):
-            k.k_dispatch_local(own, slots, status, x, ids, wts, out, ntok, ids64, ticket).launch(
-                grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=k.dispatch_shared.size_in_bytes(), stream=stream
-            )
-        else:
-            k.k_publish(own, slots, status, x, ids, wts, out, ntok, ids64, ticket).launch(
-                grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=k.publish_shared.size_in_bytes(), stream=stream
-            )
+        kernel, shared = (k.k_dispatch_local, k.dispatch_shared) if self.local else (k.k_publish, k.publish_shared)
+        kernel(own, slots, status, x, ids, wts, out, ntok, ids64, ticket).launch(
+            grid=[nctas, 1, 1], block=[THREADS, 1, 1], smem=shared.size_in_bytes(), stream=stream
+        )
 
 
 @cache
