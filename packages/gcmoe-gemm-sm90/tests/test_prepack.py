@@ -58,15 +58,38 @@ def test_scale_records_give_the_kernels_offsets_and_base_by_masks():
 
 
 def test_lossy_groups_are_counted_and_emulated():
-    w = torch.randn(1, 256, 128)
-    w[..., 32:64] *= 1e-3  # 2^-10 below its window's other groups
+    """Row-referenced scales: a group 2^10 below its row's largest is exact (the per-window bases rounded it), one
+    2^16 below rounds and is counted; effective_weights_sm90 models both, decode_prepacked_reference agrees."""
+    w = torch.randn(1, 256, 256)
+    w[..., 32:64] *= 2.0**-10
+    w[..., 160:192] *= 2.0**-16
     q = quantize_mxfp4(w)
     p = prepack_sm90(q)
-    assert p.lossy_groups == 256
+    assert p.lossy_groups == 256  # the 2^-16 group of every row
     eff = effective_weights_sm90(q)
     assert torch.equal(decode_prepacked_reference(p), eff)
     exact = q.dequantize()
-    assert not torch.equal(eff, exact) and torch.equal(eff[..., :32], exact[..., :32])
+    keep = torch.ones(256, dtype=torch.bool)
+    keep[160:192] = False
+    assert torch.equal(eff[..., keep], exact[..., keep]) and not torch.equal(eff, exact)
+
+
+def test_row_reference_edges():
+    """Rows of tiny exponents (the reference clamps at f = 1) and all-zero groups (left out of the reference, whatever
+    their exponent) decode exactly and unpack to the same values."""
+    g = torch.Generator().manual_seed(11)
+    w = random_mxfp4((1, 256, 512), g)
+    scale = w.scale.clone()
+    scale[0, :8] = torch.randint(0, 4, (8, 16), generator=g, dtype=torch.uint8)  # 2^-127 .. 2^-124
+    packed = w.packed.clone()
+    packed[0, 8:16, :16] = 0  # group 0 of rows 8-15 all zero, with an exponent far above the rest of the row
+    scale[0, 8:16, 0] = 250
+    q = type(w)(packed, scale)
+    p = prepack_sm90(q)
+    assert p.lossy_groups == 0
+    assert torch.equal(decode_prepacked_reference(p), effective_weights_sm90(q))
+    assert torch.equal(effective_weights_sm90(q), q.dequantize())
+    assert torch.equal(unpack_sm90(p).dequantize(), q.dequantize())
 
 
 def test_group_rows_padding_and_order():

@@ -2,7 +2,7 @@
 Component package: it exports kernels, configs, the prepacker and torch models, and runs no layer (the operator's
 layer is gcmoe's sm90 backend; the pipeline on prepared rows is gcmoe_core.grouping.grouped_forward).
 
-prepack.prepack_sm90      MXFP4 experts -> per-thread register-fragment order + windowed scales
+prepack.prepack_sm90      MXFP4 experts -> per-thread register-fragment order + row-referenced scale records
 kernel_grouped            W1 (+ SwiGLU, routing weight, FP8 requant) and W2 (+ bf16 rows stored through a peer table)
                           grouped kernels; ring mode (Sm90Config.ring): bounded acquires of the comm dispatch's signals
 config                    Sm90Config, choose_config (per call size and layer shape), can_implement

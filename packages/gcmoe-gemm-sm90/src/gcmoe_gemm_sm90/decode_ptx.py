@@ -8,8 +8,8 @@ on sm_90a). Eight E2M1 codes in one 32-bit word become eight E4M3 bytes in two 3
     LUT bytes (E4M3 of the E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6): 00 30 38 3C | 40 44 48 4C
     (done twice per word: nibbles 0-3, then nibbles 4-7 after a 16-bit shift)
 
-The LUT is an operand: with windowed scales (see prepack) each 32-group uses the table of its relative exponent,
-LUT[dd] = E4M3(magnitudes * 2^-dd), one of 16 tables kept in shared memory.
+The LUT is an operand: with row-referenced scales (see prepack) each 32-group uses the table of its exponent relative
+to its row's reference, LUT[dd] = E4M3(magnitudes * 2^(6 - dd)), one of 16 tables kept in shared memory.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ LUT_LO = E4M3_OF_E2M1[0] | E4M3_OF_E2M1[1] << 8 | E4M3_OF_E2M1[2] << 16 | E4M3_O
 LUT_HI = E4M3_OF_E2M1[4] | E4M3_OF_E2M1[5] << 8 | E4M3_OF_E2M1[6] << 16 | E4M3_OF_E2M1[7] << 24
 
 # One PTX block: $0, $1 = out words (codes 0-3, codes 4-7); $2 = 8 codes; $3, $4 = the LUT (register operands, so a
-# per-group table — the windowed scale's relative exponent — costs nothing extra). 9 instructions per 8 values:
+# per-group table — the group's exponent relative to its row — costs nothing extra). 9 instructions per 8 values:
 #   magnitude: prmt over the 8-byte LUT with the code's low 3 bits;
 #   sign:      prmt in sign-replicate mode over (word << 4, word) gives 0xFF/0x00 per byte from each code's bit 3;
 #   merge:     lop3  out = mag | (sign & 0x80808080)

@@ -2,7 +2,8 @@
 scatter), one expert per grid column, register-A WGMMA with the FP4 -> E4M3 decode in registers.
 
     for each expert e, CTA tile mt (256 weight rows), N tile nt of the expert's tokens:
-        acc[256, N] = sum_w  2^(base[:, w] - 127) * sx[:, w] * (decode(Wq[e, mt, w]) @ X[rows, 128 w : 128 w + 128]^T)
+        acc[256, N] = 2^(f - 127) * sum_w  sx[:, w] * (decode(Wq[e, mt, w]) @ X[rows, 128 w : 128 w + 128]^T)
+                      (f: each weight row's reference exponent; decode: E4M3 relative to it, prepack's row scales)
     W1 epilogue: h = silu(acc[gate rows]) * acc[up rows] * route_w -> FP8 E4M3 per token per 128 columns (+ scale)
     W2 epilogue: rank src[row, 0]'s output rows: (comb[src[row, 0]] as bf16 [*, M])[dst[row], 256 mt + m] =
                  bf16(acc[m, token]) — comb is the combine-buffer peer table (one entry: a local output)
@@ -34,9 +35,9 @@ Every thread reads its own weight fragments from the stage with 16-byte shared l
 in registers (decode_ptx: split-sign layout, per-group LUT from shared memory: one 16-byte entry of prepack's pair
 table holds two k32 steps' tables, found by masks of the row's scale record) and issues m64nNk32 WGMMAs with A from
 registers and B (tokens) from the stage. Each window's WGMMAs accumulate into a window
-accumulator that is then promoted into the main accumulator with the window's weight base scale and the tokens'
-activation scales (two-level FP32 accumulation; the N tile's scales of every window are staged in shared memory once,
-before its window loop).
+accumulator that is then promoted into the main accumulator with the tokens' activation scales (two-level FP32
+accumulation, one FFMA per element; the N tile's scales of every window are staged in shared memory once, before its
+window loop); the rows' 2^(f - 127) multiplies the main accumulator once, after the tile's (piece's) last window.
 
 Per window: one unconditional wait_group(0) for the previous window, release + refill, promote; decode subtile 0, its
 WGMMAs; decode subtile 1 while those run (overlap), its WGMMAs. ptxas serialises every WGMMA (a wait after each) if a
@@ -68,7 +69,7 @@ activation box, so with PDL an expert's W2 runs beside the other experts' W1 tai
 
 Inputs (see ops.py for how they are made):
     wq     int32 [E*MT*W*8, 128, 4]   prepacked weights (prepack.PackedSm90.data)
-    ws     int32 [E*MT*W, 256]         windowed scale records (prepack.PackedSm90.scales)
+    ws     int32 [E*MT*W, 256]         scale records per window (prepack.PackedSm90.scales)
     x      fp8   [R, K]                expert-sorted token rows, each expert's rows padded to a multiple of N
     sxT    fp32  [W, R]                activation scales, transposed (powers of two)
     offs   int32 [E + 1]               padded row offsets; count = cnt[e]
@@ -155,7 +156,7 @@ TILE_M = 256
 LUT_PAIR_WORDS = LUT_PAIR_BYTES // 4  # the pair table (prepack.lut_pair_words): 256 entries of 16 bytes
 # a record's byte offsets into it: rec & PAIR_MASK (steps 0-1), (rec >> PAIR_STEP) & PAIR_MASK (steps 2-3)
 PAIR_MASK, PAIR_STEP = 0xFF << PAIR_SHIFTS[0], PAIR_SHIFTS[1] - PAIR_SHIFTS[0]
-BASE_MASK = 0xFF << BASE_SHIFT  # rec & BASE_MASK: 2^(base - 127) as fp32 bits
+BASE_MASK = 0xFF << BASE_SHIFT  # rec & BASE_MASK: the row's 2^(f - 127) as fp32 bits
 assert PAIR_SHIFTS[0] == 4 and BASE_SHIFT == 23, "the kernel reads 16-byte entries and fp32 exponent bits"
 EPI_COLS = 4  # W2 epilogue: token columns whose output row addresses are loaded before their stores
 SK_TABLE = 8  # stream_k: tiles per CTA whose coordinates are kept in shared memory (more: located per load)
@@ -504,7 +505,7 @@ class GroupedGemmSm90:
         # the window being decoded, read from its stage: abuf[word 0..3, half, sub, slot], sbuf[row u, sub, slot]
         abuf = cute.make_rmem_tensor((4, 2, 2, depth), Int32)
         sbuf = cute.make_rmem_tensor((2, 2, depth), Int32)
-        rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales [row u, sub] of the window in flight
+        rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales 2^(f - 127) [row u, sub] (every window's)
 
         srow0 = 128 * wg_stage + 16 * wwarp + g  # stage row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
         # bulk-copy bases: the window records in global memory (half tiles: the CTA's half of each), the stages in
@@ -611,9 +612,9 @@ class GroupedGemmSm90:
                                 self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                                 prod.advance()
                                 issued += 1
-                        self.promote(acc0, accw0, rs, ssx, w - 1, t0, 0)
+                        self.promote(acc0, accw0, ssx, w - 1, t0, 0)
                         if cutlass.const_expr(self.subs == 2):
-                            self.promote(acc1, accw1, rs, ssx, w - 1, t0, 1)
+                            self.promote(acc1, accw1, ssx, w - 1, t0, 1)
                     pipe.consumer_wait(cons)
                     self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg_stage, sb, tw, srow0, j)
                     self.decode_subtile(abuf, sbuf, lut_at, fw0, rs, j, 0)
@@ -640,9 +641,9 @@ class GroupedGemmSm90:
                     self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                     prod.advance()
                     issued += 1
-            self.promote(acc0, accw0, rs, ssx, wb - 1, t0, 0)
+            self.promote(acc0, accw0, ssx, wb - 1, t0, 0, rs)
             if cutlass.const_expr(self.subs == 2):
-                self.promote(acc1, accw1, rs, ssx, wb - 1, t0, 1)
+                self.promote(acc1, accw1, ssx, wb - 1, t0, 1, rs)
             if cutlass.const_expr(self.splits > 1):
                 self.reduce_splits(acc0, acc1, st.part.data_ptr().toint(), st.part.get_tensor(part_layout), ks, tidx)
             finish = Int32(0)
@@ -1076,10 +1077,11 @@ class GroupedGemmSm90:
         slot: cutlass.Constexpr,
         s: cutlass.Constexpr,
     ):
-        """Subtile s of the window in `slot`: FP4 -> E4M3 A fragment (per-group LUT of its relative exponent), and the
-        2^base row scales of its two rows. lut_at: the pair table's shared address. Per pair of k32 steps (2h, 2h + 1),
-        row by row (r0, then r0 + 8: one table entry in registers at a time): the row's entry (LUT[dd] of both steps,
-        at byte offset 16 pair) in one 16-byte load, then the row's 16 codes of the two steps."""
+        """Subtile s of the window in `slot`: FP4 -> E4M3 A fragment (per-group LUT of its exponent relative to the
+        row's reference f), and the 2^(f - 127) row scales of its two rows. lut_at: the pair table's shared address.
+        Per pair of k32 steps (2h, 2h + 1), row by row (r0, then r0 + 8: one table entry in registers at a time): the
+        row's entry (LUT[dd] of both steps, at byte offset 16 pair) in one 16-byte load, then the row's 16 codes of
+        the two steps."""
         for h in cutlass.range_constexpr(2):
             for u in cutlass.range_constexpr(2):
                 tab = ld_shared_v4(lut_at + ((sbuf[u, s, slot] >> (PAIR_STEP * h)) & PAIR_MASK))
@@ -1134,16 +1136,19 @@ class GroupedGemmSm90:
         self,
         acc: cute.Tensor,
         accw: cute.Tensor,
-        rs: cute.Tensor,
         ssx: cute.Tensor,
         w: Int32,
         t0: Int32,
         s: cutlass.Constexpr,
+        rs: cute.Tensor = None,
     ):
-        """acc += accw * 2^base[row] * sx[token] for window w, subtile s (token scales from shared memory: ssx)."""
+        """acc += accw * sx[token] for window w, subtile s (token scales from shared memory: ssx); with rs (the
+        piece's last window) then acc *= 2^(f - 127)[row]: exact, a power of two per row."""
         for i in cutlass.range_constexpr(cute.size(acc)):
             v0, v1, q = i % 2, (i // 2) % 2, i // 4
-            acc[i] = acc[i] + accw[i] * (rs[v1, s] * ssx[w, 2 * t0 + v0 + 8 * q])
+            acc[i] = acc[i] + accw[i] * ssx[w, 2 * t0 + v0 + 8 * q]
+            if cutlass.const_expr(rs is not None):
+                acc[i] = acc[i] * rs[v1, s]
 
     @cute.jit
     def epilogue_w1(

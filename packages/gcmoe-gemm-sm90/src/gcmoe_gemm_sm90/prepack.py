@@ -1,5 +1,5 @@
 """Prepacker for the sm_90a grouped GEMMs: logical MXFP4 experts -> the per-thread register-fragment order the kernel
-reads with 16-byte loads, plus windowed scales. Plain torch, any device; `unpack` is the exact inverse.
+reads with 16-byte loads, plus scale records per window. Plain torch, any device; `unpack` is the exact inverse.
 
 Tiling (operand swap: weight rows are WGMMA's M, tokens are N; K = reduction):
     CTA tile   256 rows = 2 warpgroups (j) x 2 subtiles (s) x 64 rows; K in windows of 128 (4 k32 WGMMA steps)
@@ -14,19 +14,26 @@ Tiling (operand swap: weight rows are WGMMA's M, tokens are N; K = reduction):
                [A(2h), B(2h), A(2h+1), B(2h+1)]: one 16-byte load per (subtile, half) per thread, 128 threads read
                2 KiB contiguous, and one window of a CTA tile is 16 KiB contiguous (one bulk copy into a stage).
 
-Windowed scales (per row, per 128-K window w; one UE8M0 per 32-group q = 0..3 in the logical tensor):
-    base[r, w] = max_q e[r, 4w+q];  dd[r, w, q] = min(base - e, 15)
+Row-referenced scales (per row r, over its K/32 groups; one UE8M0 exponent e per 32-group in the logical tensor):
+    ref[r] = max e over the row's non-zero groups;  f[r] = max(ref - LUT_TOP, 1)  (the row's reference exponent)
+    dd[r, g] = min(f + LUT_TOP - e, 15)  (0 for an all-zero group above ref: its values are zero anyway)
     record     int32 per (E, M/256, K/128, CTA row); CTA row = 128j + 64s + 16warp + 8u + g:
-               bits [4, 12) pair(dd_0, dd_1), [12, 20) pair(dd_2, dd_3), [23, 31) base (pair(a, b) = a | b << 4)
-    the kernel decodes group q with LUT[dd_q] (E4M3 of the E2M1 magnitudes times 2^-dd, 16 tables) and promotes each
-    window's accumulator with 2^(base - 127) (and the activation's per-128 scale). In shared memory it keeps the
-    pair table (lut_pair_words: entry pair(a, b) = LUT[a], LUT[b], 16 bytes), so one AND gives the byte offset of
-    steps 0-1's two tables (rec & 0xFF0), a shift and an AND those of steps 2-3, one AND the base as an fp32 power of
-    two (rec & 0x7F800000), and one 16-byte shared load fetches two steps' tables: 4 ALU instructions and 2 loads
-    per record, where fields at 16 + 4q took 9 and 4 (sass_sm90_mix).
+               bits [4, 12) pair(dd_0, dd_1), [12, 20) pair(dd_2, dd_3) of the window's four groups, [23, 31) f
+               (pair(a, b) = a | b << 4; f is the same in every window of a row)
+    the kernel decodes group q with LUT[dd_q] = E4M3(E2M1 magnitudes * 2^(LUT_TOP - dd)), 16 tables: values up to
+    6 * 2^6 = 384 (< 448) at dd = 0, exact down to 0.5 * 2^-8 at dd = 14. A window's accumulator then needs no per-row
+    scale: it is promoted with the tokens' activation scales alone (one FFMA per element), and the tile's
+    accumulator is multiplied by 2^(f - 127) once per row after its last window (exact: a power of two; before any
+    K-split / stream_k reduction, so every partial is already in the row's units). In shared memory the kernel keeps
+    the pair table (lut_pair_words: entry pair(a, b) = LUT[a], LUT[b], 16 bytes), so one AND gives the byte offset
+    of steps 0-1's two tables (rec & 0xFF0), a shift and an AND those of steps 2-3, and one 16-byte shared load
+    fetches two steps' tables; rec & 0x7F800000 is 2^(f - 127) as fp32 bits.
 
-Effective weight = E4M3_RNE(v * 2^-dd) * 2^(base-127): exactly the MXFP4 value whenever dd <= 8 (E4M3 subnormals
-reach 2^-9 = 0.5 * 2^-8); `lossy_groups` counts the non-zero groups where it is not. W13 rows are interleaved
+Effective weight = E4M3_RNE(v * 2^(LUT_TOP - dd)) * 2^(f - 127): exactly the MXFP4 value whenever dd <= 14, i.e. for
+every group of a row whose non-zero groups' exponents span at most 14 binades (the per-128-K-window bases this
+replaced were exact only while each window's four groups spanned <= 8); `lossy_groups` counts the non-zero groups
+where it is not (the row's smallest, more than 2^14 below its largest). Products scale by powers of two only, so
+the kernel's results equal the per-window scheme's bit for bit wherever both are exact. W13 rows are interleaved
 gate/up in groups of 8 (gcmoe_core.layouts): thread rows r0/r1 are the gate and up rows of one intermediate column,
 so SwiGLU runs in registers.
 """
@@ -46,8 +53,10 @@ TILE_M = 256
 WINDOW_K = 128
 GATE_UP_GROUP = 8
 MAX_DD = 15
+LUT_TOP = 6  # LUT[dd] = E4M3(magnitudes * 2^(LUT_TOP - dd)): 6 * 2^6 = 384 fits E4M3 (448); dd <= 14 is exact
+EXACT_DD = LUT_TOP + 8  # E4M3 subnormals reach 0.5 * 2^-8
 PAIR_SHIFTS = (4, 12)  # record bits of pair(dd_0, dd_1) and pair(dd_2, dd_3): rec & 0xFF0 is 16 x pair(dd_0, dd_1)
-BASE_SHIFT = 23  # the base's record bits: rec & 0x7F800000 is 2^(base - 127) as fp32 bits
+BASE_SHIFT = 23  # the row reference's record bits: rec & 0x7F800000 is 2^(f - 127) as fp32 bits
 
 
 @dataclass(frozen=True)
@@ -65,12 +74,12 @@ class PackedSm90:
 
 
 def lut_words() -> torch.Tensor:
-    """int32 [16, 2]: LUT[dd] = E4M3 bytes of the E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 times 2^-dd (RNE),
-    packed little-endian into two words (magnitude codes 0-3, 4-7) for the decode's byte permute."""
+    """int32 [16, 2]: LUT[dd] = E4M3 bytes of the E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 times 2^(LUT_TOP - dd)
+    (RNE), packed little-endian into two words (magnitude codes 0-3, 4-7) for the decode's byte permute."""
     mags = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     rows = []
     for dd in range(MAX_DD + 1):
-        b = (mags * 2.0**-dd).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
+        b = (mags * 2.0 ** (LUT_TOP - dd)).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int64)
         rows.append([int(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24), int(b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24)])
     return torch.tensor(rows, dtype=torch.int64).to(torch.int32)
 
@@ -84,7 +93,8 @@ def lut_pair_words() -> torch.Tensor:
 
 
 def make_records(base: torch.Tensor, dd: torch.Tensor) -> torch.Tensor:
-    """int32 records from base [...] (0..255) and dd [..., 4] (0..MAX_DD) (the layout in the module docstring)."""
+    """int32 records from base [...] (the row reference f, 0..255) and dd [..., 4] (0..MAX_DD) (the layout in the
+    module docstring)."""
     pairs = [dd[..., 2 * h] | dd[..., 2 * h + 1] << 4 for h in range(2)]
     rec = base.to(torch.int64) << BASE_SHIFT | pairs[0].to(torch.int64) << PAIR_SHIFTS[0]
     return (rec | pairs[1].to(torch.int64) << PAIR_SHIFTS[1]).to(torch.int32)
@@ -102,6 +112,24 @@ def record_pair(rec: torch.Tensor, half: int) -> torch.Tensor:
 def record_dd(rec: torch.Tensor) -> torch.Tensor:
     """dd [..., 4] of each record."""
     return torch.stack([(record_pair(rec, q // 2) >> (4 * (q % 2))) & 0xF for q in range(4)], dim=-1)
+
+
+def row_exponents(scale: torch.Tensor, nonzero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """UE8M0 exponents [..., G] of a row's 32-groups and which groups hold a non-zero code -> (f [...], the row's
+    reference exponent; dd [..., G], each group's table index; the count of lossy non-zero groups, dd > EXACT_DD)."""
+    e = scale.to(torch.int32)
+    ref = torch.where(nonzero, e, -1).amax(dim=-1)
+    ref = torch.where(ref < 0, e.amax(dim=-1), ref)  # an all-zero row: any reference holds its (zero) values
+    f = (ref - LUT_TOP).clamp(min=1)
+    dd = f.unsqueeze(-1) + LUT_TOP - e
+    lossy = int((nonzero & (dd > EXACT_DD)).sum())
+    return f, dd.clamp(0, MAX_DD), lossy
+
+
+def _nonzero_groups(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] codes -> bool [..., K/32]: the 32-groups holding a non-zero magnitude (sign bits ignored)."""
+    codes = unpack_nibbles(packed)
+    return (codes & 7).ne(0).view(*codes.shape[:-1], -1, 32).any(-1)
 
 
 def sign_layout(data: torch.Tensor, to_split: bool) -> torch.Tensor:
@@ -162,19 +190,15 @@ def prepack_sm90(w: MXFP4Tensor, gate_up: bool = False) -> PackedSm90:
     data = out.view(e, mt, nw, 2, 2, 2, 2, 2, 128, 4).permute(0, 1, 2, 3, 4, 5, 8, 6, 7, 9)
     data = sign_layout(data.reshape(e, mt, nw, 2, 2, 2, 128, 16), to_split=True)
     # ---- scales
-    sc = scale.view(e, mt, 256, nw, 4).to(torch.int32)
-    base = sc.amax(dim=-1)
-    dd = (base.unsqueeze(-1) - sc).clamp(max=MAX_DD)
-    rec = make_records(base, dd)
+    f, dd, lossy = row_exponents(scale, _nonzero_groups(packed))  # [E, M], [E, M, K/32]
+    rec = make_records(f.view(e, mt, 256, 1), dd.view(e, mt, 256, nw, 4))
     scales = rec.permute(0, 1, 3, 2).contiguous()  # [E, MT, W, 256]
-    nonzero = unpack_nibbles(packed).view(e, m, k // 32, 32).ne(0).any(-1).view(e, mt, 256, nw, 4)
-    lossy = int((nonzero & (dd > 8)).sum())
     return PackedSm90(data, scales, m, k, gate_up, lossy)
 
 
 def unpack_sm90(p: PackedSm90) -> MXFP4Tensor:
-    """Exact inverse of prepack_sm90 when no group needed dd > 15 (the scale of such a group is then rebuilt as
-    base - 15, which holds the same values: every element of it decodes to zero in the kernel as well)."""
+    """Exact inverse of prepack_sm90 when every group's dd fit 0..15 unclamped (an all-zero group above its row's
+    reference, or one more than 2^15 below it, is rebuilt at the clamp: the same values in the kernel)."""
     e, mt, nw = p.data.shape[:3]
     dev = p.data.device
     d = sign_layout(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 2, 2, 4).permute(0, 1, 2, 3, 4, 5, 7, 8, 6, 9)
@@ -191,8 +215,8 @@ def unpack_sm90(p: PackedSm90) -> MXFP4Tensor:
                 rows[:, :, :, :, r0[tw] + 8 * u, :, :, int(bidx[tw[0], b])] = src[:, :, :, :, tw, :, :, b]
     packed = rows.view(e, p.m, p.k // 2)
     rec = p.scales.permute(0, 1, 3, 2)  # [E, MT, 256, W]
-    base, dd = record_base(rec), record_dd(rec)
-    scale = (base.unsqueeze(-1) - dd).clamp(min=0).to(torch.uint8).reshape(e, p.m, p.k // 32)
+    f, dd = record_base(rec), record_dd(rec)
+    scale = (f.unsqueeze(-1) + LUT_TOP - dd).clamp(0, 255).to(torch.uint8).reshape(e, p.m, p.k // 32)
     if p.gate_up:
         inv = inverse_permutation(gate_up_permutation(p.m // 2, GATE_UP_GROUP, dev))
         packed, scale = packed[:, inv], scale[:, inv]
@@ -200,20 +224,19 @@ def unpack_sm90(p: PackedSm90) -> MXFP4Tensor:
 
 
 def effective_weights_sm90(w: MXFP4Tensor) -> torch.Tensor:
-    """fp32 [E, M, K]: the weights the sm90 kernel multiplies (logical row order): E4M3_RNE(v * 2^-dd) * 2^(base-127).
-    Equal to w.dequantize() wherever dd <= 8."""
+    """fp32 [E, M, K]: the weights the sm90 kernel multiplies (logical row order):
+    E4M3_RNE(v * 2^(LUT_TOP - dd)) * 2^(f - 127). Equal to w.dequantize() wherever dd <= EXACT_DD."""
     e, m, k = w.shape
-    sc = w.scale.view(e, m, k // WINDOW_K, 4).to(torch.int32)
-    base = sc.amax(-1, keepdim=True)
-    dd = (base - sc).clamp(max=MAX_DD)
-    v = e2m1_decode(unpack_nibbles(w.packed)).view(e, m, k // WINDOW_K, 4, 32)
-    q = (v * torch.ldexp(torch.ones_like(dd, dtype=torch.float32), -dd).unsqueeze(-1)).to(torch.float8_e4m3fn)
-    return (q.float() * torch.ldexp(torch.ones_like(base, dtype=torch.float32), base - 127).unsqueeze(-1)).view(e, m, k)
+    f, dd, _ = row_exponents(w.scale, _nonzero_groups(w.packed))
+    v = e2m1_decode(unpack_nibbles(w.packed)).view(e, m, k // 32, 32)
+    q = (v * torch.ldexp(torch.ones_like(dd, dtype=torch.float32), LUT_TOP - dd).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    rs = torch.ldexp(torch.ones_like(f, dtype=torch.float32), f - 127).view(e, m, 1, 1)
+    return (q.float() * rs).view(e, m, k)
 
 
 def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
     """What the kernel's decode computes, replayed in torch from the prepacked bytes alone (bit-exact model of the
-    register path: nibble selection, the pair table's entry at the record's offset, sign, window base), in logical row
+    register path: nibble selection, the pair table's entry at the record's offset, sign, row scale), in logical row
     order: fp32 [E, M, K].
     (The sign bits are read back from their split-sign positions first: decode_ptx models the PTX itself.)"""
     e, mt, nw = p.data.shape[:3]
