@@ -32,7 +32,7 @@ import cutlass.utils as utils  # noqa: E402
 
 Int32, Int64 = cutlass.Int32, cutlass.Int64
 WEIGHT_BYTES = 16384  # one 256-row x 128-K window of FP4 weights (gcmoe_gemm_sm90.config.WINDOW_WEIGHT_BYTES)
-SCALE_BYTES = 1024  # its scale records (WINDOW_SCALE_BYTES)
+SCALE_BYTES = 512  # its scale records (WINDOW_SCALE_BYTES)
 WINDOW_BYTES = WEIGHT_BYTES + SCALE_BYTES
 THREADS = 256  # two warpgroups, as the kernels at N <= 24
 

@@ -22,8 +22,8 @@ from gcmoe_gemm_sm90.prepack import (
     lut_words,
     make_records,
     prepack_sm90,
-    record_base,
     record_dd,
+    split_scales,
     unpack_sm90,
 )
 
@@ -33,28 +33,42 @@ from gcmoe_gemm_sm90.prepack import (
 def test_roundtrip_and_decode_model(e, m, k, gate_up):
     w = random_mxfp4((e, m, k), torch.Generator().manual_seed(m + k + e))
     p = prepack_sm90(w, gate_up=gate_up)
-    assert p.data.shape == (e, m // 256, k // 128, 2, 2, 2, 128, 16) and p.scales.shape == (e, m // 256, k // 128, 256)
+    assert p.data.shape == (e, m // 256, k // 128, 2, 2, 2, 128, 16)
+    assert p.scales.shape == (e, m // 256, k // 128 * 128 + 256) and p.scales.dtype == torch.int32
     u = unpack_sm90(p)
     assert torch.equal(u.packed, w.packed) and torch.equal(u.scale, w.scale)
     assert torch.equal(decode_prepacked_reference(p), effective_weights_sm90(w))
     assert torch.equal(effective_weights_sm90(w), w.dequantize()) and p.lossy_groups == 0
 
 
-def test_scale_records_give_the_kernels_offsets_and_base_by_masks():
-    """What decode_subtile computes from a record with two ANDs and a shift: the pair table's byte offsets of steps
-    0-1 and 2-3 (16 x entry, the entry holding LUT[dd] of both steps) and 2^(base - 127) as fp32 bits."""
+def test_scale_records_give_the_kernels_offsets_by_bytes():
+    """What decode_subtile computes from a thread's record word: rotated right by 8b and masked with 0xFF0 it is the
+    pair table's byte offset of the entry holding LUT[dd] of steps 2h, 2h + 1 of row r0 + 8u (b = 2u + h); the
+    tile's row scales follow its windows."""
     g = torch.Generator().manual_seed(7)
-    base = torch.randint(1, 255, (4096,), generator=g)
-    dd = torch.randint(0, MAX_DD + 1, (4096, 4), generator=g)
-    rec = make_records(base, dd).to(torch.int64) & 0xFFFFFFFF
-    assert torch.equal(record_base(rec), base) and torch.equal(record_dd(rec), dd) and (rec >> 31).eq(0).all()
+    dd = torch.randint(0, MAX_DD + 1, (5, 256, 4), generator=g)
+    words = make_records(dd)
+    assert words.shape == (5, 128) and torch.equal(record_dd(words), dd)
     table, lut = lut_pair_words(), lut_words()
     assert table.shape == (256, 4) and table.numel() * 4 == LUT_PAIR_BYTES  # (what the kernel's shared memory holds)
-    for h in range(2):
-        entry = table[((rec >> (8 * h)) & 0xFF0) // 16]
-        assert torch.equal(entry[:, :2], lut[dd[:, 2 * h]]) and torch.equal(entry[:, 2:], lut[dd[:, 2 * h + 1]])
-    rs = (rec & 0x7F800000).to(torch.int32).view(torch.float32)
-    assert torch.equal(rs, torch.ldexp(torch.ones(4096), base - 127))
+    wv = words.to(torch.int64) & 0xFFFFFFFF
+    for u in range(2):
+        rows = torch.tensor([16 * (i // 8) + i % 8 + 8 * u for i in range(128)])  # word i's row u
+        for h in range(2):
+            b = 2 * u + h
+            rot = (wv >> (8 * b) | wv << (32 - 8 * b)) & 0xFFFFFFFF  # the kernel: AND, shift + AND, rotation + AND
+            entry = table[(rot & 0xFF0) // 16]
+            assert torch.equal(entry[..., :2], lut[dd[:, rows, 2 * h]])
+            assert torch.equal(entry[..., 2:], lut[dd[:, rows, 2 * h + 1]])
+            if b < 3:  # (a plain arithmetic shift is enough there: the mask takes bits below the wrap)
+                assert torch.equal(rot & 0xFF0, (words.to(torch.int64) >> (8 * b)) & 0xFF0)
+    w = random_mxfp4((2, 512, 384), g)
+    w.scale[1, 300] = 140  # one row's reference
+    p = prepack_sm90(w)
+    rec, rs = split_scales(p)
+    assert rec.shape == (2, 2, 3, 128) and rs.shape == (2, 2, 256)
+    assert float(rs[1, 1, 300 - 256]) == 2.0 ** (140 - 6 - 127)
+    assert torch.equal(rec, make_records(record_dd(rec)))
 
 
 def test_lossy_groups_are_counted_and_emulated():

@@ -129,6 +129,13 @@ def ld_cluster_u32(smem_addr, rank, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def rotl32(x, n: int, *, loc=None, ip=None):
+    """The 32-bit x rotated left by n (compile time): one funnel shift."""
+    text = f"shf.l.wrap.b32 $0, $1, $1, {n};"
+    return Int32(inline_ptx(T.i32(), [Int32(x)], text, "=r,r", loc, ip, side_effects=False))
+
+
+@dsl_user_op
 def ld_shared_v4(smem_addr, *, loc=None, ip=None):
     """ld.shared.v4.u32 at 16-byte aligned shared address smem_addr, as four Int32. Pure (no memory clobber): it may
     move, but not before what its address depends on; the caller orders it after the stores it reads."""

@@ -3,7 +3,7 @@
 n_tile     tokens per WGMMA N tile (a multiple of 8 up to N_MAX = 80): an expert with more tokens runs several N tiles,
            each re-reading its weights; the activation rows of every expert are padded to a multiple of n_tile
 stages     shared-memory stages of the TMA pipeline, one 128-K window each: the window's activation box, 16 KB of
-           weights and 1 KB of scale records, all arriving by TMA / bulk copy on the stage's mbarrier
+           weights and 512 B of scale records, all arriving by TMA / bulk copy on the stage's mbarrier
 prefetch   windows decoded per loop iteration (1, 2 or 4); divides K/128
 occupancy  CTAs per SM the register budget is sized for (1: up to 255 registers, 2: up to 128)
 overlap    decode subtile 1 of a window while subtile 0's WGMMAs run (False: decode both, then issue all 8)
@@ -69,7 +69,7 @@ N_MAX = N_TILES[-1]  # two 64-row subtiles' accumulators of N = 80 fill 255 regi
 WINDOW_K = 128
 TILE_M = 256
 WINDOW_WEIGHT_BYTES = TILE_M * WINDOW_K // 2  # one CTA tile's FP4 weights of one 128-K window (16 KB)
-WINDOW_SCALE_BYTES = TILE_M * 4  # its scale records, one int32 per weight row
+WINDOW_SCALE_BYTES = TILE_M * 2  # its scale records, 16 bits per weight row (prepack: record words)
 LUT_PAIR_BYTES = 256 * 16  # the decode tables by pairs of k32 steps in shared memory (prepack.lut_pair_words)
 # active-first grid rows where fewer than half the experts are expected to have rows: 1.04-1.12x faster at one token
 # per rank (75-80 % of the experts empty), 0.97-1.0x at 8-32 tokens (13 % or fewer empty), side by side, H200,
@@ -155,10 +155,11 @@ def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1, half: bool = False) -> 
     struct, plus alignment); half: a CTA of half an M tile (cfg.w1_half / w2_half: 128 rows, 256 threads)."""
     n, nw = cfg.n_tile, k // WINDOW_K
     rows = TILE_M // 2 if half else TILE_M
-    stage = n * WINDOW_K + rows * WINDOW_K // 2 + rows * 4  # activation box, weights, scale records
+    stage = n * WINDOW_K + rows * WINDOW_K // 2 + rows * 2  # activation box, weights, scale records
     red = 4 * n * (8 if half else 4 * cfg.warpgroups)  # the W1 epilogue's per-warp amax
-    # mbarriers, the decode's pair table, flags, amax, the N tile's activation scales and routing weights, alignment
-    fixed = 16 * cfg.stages + LUT_PAIR_BYTES + 16 + red + 4 * nw * n + 4 * n + 1024 + 128 + 16
+    # mbarriers, the decode's pair table, flags, amax, the N tile's activation scales and routing weights, the rows'
+    # scales, alignment
+    fixed = 16 * cfg.stages + LUT_PAIR_BYTES + 16 + red + 4 * nw * n + 4 * n + 4 * rows + 1024 + 128 + 16
     fixed += 4 * 5 * 8 if cfg.stream_k else 4  # stream_k's table of a CTA's first 8 tiles
     fixed += 8 * n if half else 4  # W1 half pairs: the partner's column maxima of two pieces
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)

@@ -22,18 +22,18 @@ warpgroup q owns subtile q % 2 of those rows of j = q // 2. The prepacked fragme
 mapping are the same in both.
 Half tiles (cfg.w1_half / cfg.w2_half): a CTA of 2 warpgroups takes 128 of the tile's rows (grid x: two CTAs per M tile,
 j = x % 2; warpgroup q its subtile q: the 4-warpgroup mapping), so two CTAs share an SM where one whole-tile CTA held it
-alone and one streams while another starts or stores; a stage holds that half's 8 KB of weights and 512 B of scale
+alone and one streams while another starts or stores; a stage holds that half's 8 KB of weights and 256 B of scale
 records. W1's halves run as a cluster pair: a token's FP8 scale covers the tile's 128 intermediate columns, 64 in each
 half, so each half sends its per-token maxima into the partner's shared memory and both scale by the larger (one cluster
 barrier per N tile; the pair's leader decides the ring acquire for both).
 Pipeline (PipelineTmaAsync, `stages` deep, one 128-K window per stage): warp 0 (the whole warp: the arrive and the TMA
 issue elect one lane with elect.sync, which hangs if only one lane runs it) fills a stage with the window's activation
-box by TMA and the window's 16 KB of prepacked weights and 1 KB of scale records by one bulk copy each, all on the
+box by TMA and the window's 16 KB of prepacked weights and 512 B of scale records by one bulk copy each, all on the
 stage's mbarrier. The activation boxes start at the expert's first row (any multiple of 8: a TMA box reaches into
 the next expert's rows or past the end, which reads zeros; those token columns are computed and never stored).
 Every thread reads its own weight fragments from the stage with 16-byte shared loads (conflict-free), decodes them
 in registers (decode_ptx: split-sign layout, per-group LUT from shared memory: one 16-byte entry of prepack's pair
-table holds two k32 steps' tables, found by masks of the row's scale record) and issues m64nNk32 WGMMAs with A from
+table holds two k32 steps' tables, at 16 x a byte of the rows' record word) and issues m64nNk32 WGMMAs with A from
 registers and B (tokens) from the stage. Each window's WGMMAs accumulate into a window
 accumulator that is then promoted into the main accumulator with the tokens' activation scales (two-level FP32
 accumulation, one FFMA per element; the N tile's scales of every window are staged in shared memory once, before its
@@ -69,7 +69,7 @@ activation box, so with PDL an expert's W2 runs beside the other experts' W1 tai
 
 Inputs (see ops.py for how they are made):
     wq     int32 [E*MT*W*8, 128, 4]   prepacked weights (prepack.PackedSm90.data)
-    ws     int32 [E*MT*W, 256]         scale records per window (prepack.PackedSm90.scales)
+    ws     int32 [E*MT*(W*128 + 256)]  per tile: its windows' record words, its row scales (PackedSm90.scales)
     x      fp8   [R, K]                expert-sorted token rows, each expert's rows padded to a multiple of N
     sxT    fp32  [W, R]                activation scales, transposed (powers of two)
     offs   int32 [E + 1]               padded row offsets; count = cnt[e]
@@ -132,6 +132,7 @@ from gcmoe_core.kernel_helpers import (
     fp8_pow2_exponent,
     ld_cluster_u32,
     ld_shared_v4,
+    rotl32,
     st_cluster_f32,
 )
 from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_W1
@@ -139,7 +140,7 @@ from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_W1
 from .config import LUT_PAIR_BYTES, WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement, half_stages
 from .decode_ptx import DECODE8_SPLIT_SIGN_PTX
 from .kernel_decode import decode8
-from .prepack import BASE_SHIFT, PAIR_SHIFTS
+from .prepack import RECORD_WORDS
 
 cutlass, cute = cutlass_modules()
 import cuda.bindings.driver as cuda  # noqa: E402
@@ -154,10 +155,6 @@ Int32, Int64, Float32 = cutlass.Int32, cutlass.Int64, cutlass.Float32
 WINDOW_K = 128
 TILE_M = 256
 LUT_PAIR_WORDS = LUT_PAIR_BYTES // 4  # the pair table (prepack.lut_pair_words): 256 entries of 16 bytes
-# a record's byte offsets into it: rec & PAIR_MASK (steps 0-1), (rec >> PAIR_STEP) & PAIR_MASK (steps 2-3)
-PAIR_MASK, PAIR_STEP = 0xFF << PAIR_SHIFTS[0], PAIR_SHIFTS[1] - PAIR_SHIFTS[0]
-BASE_MASK = 0xFF << BASE_SHIFT  # rec & BASE_MASK: the row's 2^(f - 127) as fp32 bits
-assert PAIR_SHIFTS[0] == 4 and BASE_SHIFT == 23, "the kernel reads 16-byte entries and fp32 exponent bits"
 EPI_COLS = 4  # W2 epilogue: token columns whose output row addresses are loaded before their stores
 SK_TABLE = 8  # stream_k: tiles per CTA whose coordinates are kept in shared memory (more: located per load)
 SIG_WORDS = 8  # by-value addresses: ring mode's INUSE, CGEN, OFFS, ERR, L1_FULL, W1_DONE; stream_k's partials, counters
@@ -200,6 +197,7 @@ class GroupedGemmSm90:
             self.subs, self.threads, self.occupancy = 1, 256, 2
             self.stages = half_stages(cfg, k)
             self.w_bytes, self.s_bytes = WINDOW_WEIGHT_BYTES // 2, WINDOW_SCALE_BYTES // 2
+        self.rows = TILE_M // 2 if self.half else TILE_M  # the tile's rows this CTA computes
         self.expert_sync = cfg.ring and cfg.expert_sync  # W1_DONE tags per expert instead of W2's grid-wide wait
         self.stream_k = cfg.stream_k and self.is_w1  # W1: a grid of `ctas` CTAs over equal window ranges
         self.clamped = cfg.activation == "swiglu_clamped"  # (gpt-oss) W1's clamped SwiGLU
@@ -254,12 +252,13 @@ class GroupedGemmSm90:
             red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
             ssx: cute.struct.MemRange[Float32, self.windows * self.n]
             srw: cute.struct.MemRange[Float32, self.n if self.is_w1 else 1]  # W1: the tile's routing weights
+            srs: cute.struct.MemRange[Float32, self.rows]  # the row scales of the CTA's rows
             # W1 half pairs: the partner's column maxima, [piece parity][token column] (written by the partner)
             xchg: cute.struct.MemRange[Float32, 2 * self.n if self.pair else 1]
-            # stream_k: the CTA's first SK_TABLE tiles (window record base, first row, expert, N tile, M tile)
+            # stream_k: the CTA's first SK_TABLE tiles (expert x M tiles + M tile, first row, expert, N tile, M tile)
             skt: cute.struct.MemRange[Int32, SK_TABLE * 5 if self.stream_k else 1]
             sB: cute.struct.Align[cute.struct.MemRange[f8, cute.cosize(b_smem_staged)], 1024]
-            # each stage's window of weights [8 fragments][128 threads][16 B] and scale records [256]
+            # each stage's window of weights [8 fragments][128 threads][16 B] and record words [128] (16 bits per row)
             sW: cute.struct.Align[cute.struct.MemRange[Int32, self.w_bytes // 4 * self.stages], 128]
             sS: cute.struct.Align[cute.struct.MemRange[Int32, self.s_bytes // 4 * self.stages], 16]
             # K splits: partial accumulators the cluster's other CTAs push to the leader, [split - 1][i][thread]
@@ -376,6 +375,7 @@ class GroupedGemmSm90:
 
         slut = st.lut.get_tensor(cute.make_layout(LUT_PAIR_WORDS))
         lut_at = slut.iterator.toint()  # (decode_subtile's vector loads)
+        srs = st.srs.get_tensor(cute.make_layout(self.rows))  # the row scales 2^(f - 127) of the CTA's rows
         sflag = st.flag.get_tensor(cute.make_layout(8))
         sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]
         ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1))
@@ -420,7 +420,7 @@ class GroupedGemmSm90:
             for p in cutlass.range(cutlass.min(npieces, SK_TABLE), unroll=1):
                 pe, pnt, pmt, _ = self.locate_tile(cnt, u0 // (nw // depth) + p, num_experts, lane)
                 if tidx == 0:
-                    skt[0, p] = (pe * self.m_tiles + pmt) * self.windows
+                    skt[0, p] = pe * self.m_tiles + pmt
                     skt[1, p] = offs[pe] + pnt * n_tile
                     skt[2, p] = pe
                     skt[3, p] = pnt
@@ -465,6 +465,13 @@ class GroupedGemmSm90:
             for i in cutlass.range_constexpr(LUT_PAIR_WORDS // 32):
                 slut[tidx + 32 * i] = lut[tidx + 32 * i]
 
+        if cutlass.const_expr(not self.stream_k):
+            # the rows' scales 2^(f - 127) of the CTA's one tile, read after each piece's last window (ordered by the
+            # barriers below; held in registers over the loop, or their address, ptxas spilled at N 80 half tiles)
+            rsv = self.load_row_scale(ws, e * self.m_tiles + mt, half_at, tidx)
+            if tidx < self.rows:
+                srs[tidx] = bits_to_f32(rsv)
+
         b_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(b_smem_staged, (None, None, 0)))
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.mbar.data_ptr(),
@@ -480,10 +487,10 @@ class GroupedGemmSm90:
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
 
-        # a stage's weights as [word, thread, fragment (wg, subtile, half), stage], its scale records [row, stage]
-        frags, srows = self.w_bytes // 2048, self.s_bytes // 4  # per stage: 16-byte fragments x 128 threads, rows
+        # a stage's weights as [word, thread, fragment (wg, subtile, half), stage], its record words [word, stage]
+        frags, swords = self.w_bytes // 2048, self.s_bytes // 4  # per stage: 16-byte fragments x 128 threads, records
         sW = st.sW.get_tensor(cute.make_layout((4, 128, frags, self.stages), stride=(1, 4, 512, self.w_bytes // 4)))
-        sS = st.sS.get_tensor(cute.make_layout((srows, self.stages), stride=(1, srows)))
+        sS = st.sS.get_tensor(cute.make_layout((swords, self.stages), stride=(1, swords)))
         thr_mma = tiled_mma.get_slice(tw)
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))  # (MMA, 1, 4 k32, stages)
         a_shape = thr_mma.partition_shape_A((64, WINDOW_K))
@@ -502,12 +509,13 @@ class GroupedGemmSm90:
             (max(1, self.splits - 1), nacc, self.threads), stride=(nacc * self.threads, self.threads, 1)
         )
 
-        # the window being decoded, read from its stage: abuf[word 0..3, half, sub, slot], sbuf[row u, sub, slot]
+        # the window being decoded, read from its stage: abuf[word 0..3, half, sub, slot], sbuf[sub, slot] (the
+        # record word of rows r0, r0 + 8)
         abuf = cute.make_rmem_tensor((4, 2, 2, depth), Int32)
-        sbuf = cute.make_rmem_tensor((2, 2, depth), Int32)
-        rs = cute.make_rmem_tensor((2, 2), Float32)  # weight row scales 2^(f - 127) [row u, sub] (every window's)
+        sbuf = cute.make_rmem_tensor((2, depth), Int32)
 
-        srow0 = 128 * wg_stage + 16 * wwarp + g  # stage row of r0 in subtile 0 (subtile s adds 64, row u adds 8)
+        swrd0 = 64 * wg_stage + 8 * wwarp + g  # the stage's record word of r0, r0 + 8 in subtile 0 (subtile s: + 32)
+        trow0 = 128 * wg + 64 * sb + 16 * wwarp + g  # the tile's row r0 in subtile 0 (subtile s adds 64, row u 8)
         # bulk-copy bases: the window records in global memory (half tiles: the CTA's half of each), the stages in
         # shared memory
         w_base = wq.iterator.toint() + Int64(half_at) * self.w_bytes
@@ -527,8 +535,8 @@ class GroupedGemmSm90:
             pre = prod.clone()
             for i in cutlass.range_constexpr(self.stages - 1):
                 if i < total:
-                    rec, _, _ = self.load_coords(cnt, offs, lc, i, lane)
-                    self.produce_weights(pipe, pre, rec, w_base, s_base, w_dst, s_dst)
+                    tile, _, wx = self.load_coords(cnt, offs, lc, i, lane)
+                    self.produce_weights(pipe, pre, tile, wx, w_base, s_base, w_dst, s_dst)
                     pre.advance()
         if cutlass.const_expr(self.expert_sync and not self.is_w1):
             self.acquire_expert(sig, gen, timeout_ns, e, count, tidx)
@@ -566,7 +574,8 @@ class GroupedGemmSm90:
             # registers, then stores them after the first barrier (the previous tile's readers are past it): loads
             # between the shared stores were waited for one by one, a round trip per value (up to 18 in series at
             # N 80), and the W1 epilogue waited for one routing weight per token column in series. Columns past the
-            # expert's rows read nothing (they may lie past the end of the rows): scale and routing weight 0.
+            # expert's rows read nothing (they may lie past the end of the rows): scale and routing weight 0. The
+            # same for the rows' scales 2^(f - 127) of a stream_k piece's tile.
             nsx = -(-nw * n_tile // self.threads)
             sxv = cute.make_rmem_tensor(nsx, Float32)
             for r in cutlass.range_constexpr(nsx):
@@ -582,7 +591,13 @@ class GroupedGemmSm90:
                 if tidx < n_tile:
                     if col_base + tidx < pcount:
                         rwt = ep_a[prow + col_base + tidx]
+            rsp = Int32(0)
+            if cutlass.const_expr(self.stream_k):  # (else every piece is of the CTA's tile: staged once, above)
+                rsp = self.load_row_scale(ws, pe * self.m_tiles + pmt, half_at, tidx)
             cute.arch.barrier()
+            if cutlass.const_expr(self.stream_k):
+                if tidx < self.rows:
+                    srs[tidx] = bits_to_f32(rsp)
             for r in cutlass.range_constexpr(nsx):
                 i = tidx + self.threads * r
                 if i < nw * n_tile:
@@ -607,8 +622,8 @@ class GroupedGemmSm90:
                         pipe.consumer_release(prev)
                         if warp_idx == 0:
                             if issued < total:
-                                rec, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
-                                self.produce_weights(pipe, prod, rec, w_base, s_base, w_dst, s_dst)
+                                tile, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
+                                self.produce_weights(pipe, prod, tile, wx, w_base, s_base, w_dst, s_dst)
                                 self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                                 prod.advance()
                                 issued += 1
@@ -616,34 +631,38 @@ class GroupedGemmSm90:
                         if cutlass.const_expr(self.subs == 2):
                             self.promote(acc1, accw1, ssx, w - 1, t0, 1)
                     pipe.consumer_wait(cons)
-                    self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg_stage, sb, tw, srow0, j)
-                    self.decode_subtile(abuf, sbuf, lut_at, fw0, rs, j, 0)
+                    self.load_window_smem(sW, sS, abuf, sbuf, cons.index, wg_stage, sb, tw, swrd0, j)
+                    self.decode_subtile(abuf, sbuf, lut_at, fw0, j, 0)
                     if cutlass.const_expr(self.subs == 2 and not self.cfg.overlap):
-                        self.decode_subtile(abuf, sbuf, lut_at, fw1, rs, j, 1)
+                        self.decode_subtile(abuf, sbuf, lut_at, fw1, j, 1)
                     warpgroup.fence()
                     self.mma_window(tiled_mma, accw0, frag0, tCrB, cons.index)
                     if cutlass.const_expr(self.subs == 2):
                         if cutlass.const_expr(self.cfg.overlap):
                             warpgroup.commit_group()
-                            self.decode_subtile(abuf, sbuf, lut_at, fw1, rs, j, 1)
+                            self.decode_subtile(abuf, sbuf, lut_at, fw1, j, 1)
                             warpgroup.fence()
                         self.mma_window(tiled_mma, accw1, frag1, tCrB, cons.index)
                     warpgroup.commit_group()
                     prev = cons.clone()
                     cons.advance()
-            # drain the piece: the last window's MMAs, release its stage, promote
+            # drain the piece: the last window's MMAs, release its stage, promote, scale the rows
             warpgroup.wait_group(0)
             pipe.consumer_release(prev)
             if warp_idx == 0:
                 if issued < total:
-                    rec, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
-                    self.produce_weights(pipe, prod, rec, w_base, s_base, w_dst, s_dst)
+                    tile, row0, wx = self.load_coords(cnt, offs, lc, issued, lane)
+                    self.produce_weights(pipe, prod, tile, wx, w_base, s_base, w_dst, s_dst)
                     self.produce_acts(pipe, prod, tma_atom, tma_x, sB, row0, wx)
                     prod.advance()
                     issued += 1
-            self.promote(acc0, accw0, ssx, wb - 1, t0, 0, rs)
+            self.promote(acc0, accw0, ssx, wb - 1, t0, 0)
             if cutlass.const_expr(self.subs == 2):
-                self.promote(acc1, accw1, ssx, wb - 1, t0, 1, rs)
+                self.promote(acc1, accw1, ssx, wb - 1, t0, 1)
+            # (read once the window accumulators are dead: read before the last promote, ptxas spilled at N 80)
+            self.scale_rows(acc0, srs, trow0 - half_at * self.rows)
+            if cutlass.const_expr(self.subs == 2):
+                self.scale_rows(acc1, srs, trow0 - half_at * self.rows + 64)
             if cutlass.const_expr(self.splits > 1):
                 self.reduce_splits(acc0, acc1, st.part.data_ptr().toint(), st.part.get_tensor(part_layout), ks, tidx)
             finish = Int32(0)
@@ -854,22 +873,25 @@ class GroupedGemmSm90:
         self,
         pipe: pipeline.PipelineTmaAsync,
         prod: pipeline.PipelineState,
-        rec: Int32,
+        tile: Int32,
+        w: Int32,
         w_base: cutlass.Int64,
         s_base: cutlass.Int64,
         w_dst: Int32,
         s_dst: Int32,
     ):
-        """A load, part 1: acquire the next stage (arming its mbarrier for all of its bytes) and bulk-copy window
-        record `rec` (weights and scale records; load_coords) into it. Part 2 is produce_acts. Warp 0 runs both whole
-        (the arrive and the TMA elect one lane themselves); the caller advances `prod` (a rebind the DSL must see in
-        the caller's branch)."""
+        """A load, part 1: acquire the next stage (arming its mbarrier for all of its bytes) and bulk-copy window w of
+        tile (expert x M tile) `tile` (its weights and scale records; load_coords) into it. Part 2 is produce_acts.
+        Warp 0 runs both whole (the arrive and the TMA elect one lane themselves); the caller advances `prod` (a rebind
+        the DSL must see in the caller's branch)."""
         pipe.producer_acquire(prod)
         bar = pipe.producer_get_barrier(prod).toint()
         with cute.arch.elect_one():
             stage = prod.index
-            w_src = w_base + cutlass.Int64(rec) * WINDOW_WEIGHT_BYTES
-            s_src = s_base + cutlass.Int64(rec) * WINDOW_SCALE_BYTES
+            w_src = w_base + (cutlass.Int64(tile) * self.windows + w) * WINDOW_WEIGHT_BYTES
+            # (each tile's windows of records are followed by its row scales)
+            s_src = s_base + cutlass.Int64(tile) * (self.windows * WINDOW_SCALE_BYTES + TILE_M * 4)
+            s_src += cutlass.Int64(w) * WINDOW_SCALE_BYTES
             hint = self.cfg.evict_first
             # racecheck-ordered: racecheck reports these bulk copies (a write by this thread) against the consumers'
             # reads of the stage in load_window_smem (WAR, the stage's previous window). Ordered by the stage's empty
@@ -904,13 +926,13 @@ class GroupedGemmSm90:
 
     @cute.jit
     def load_coords(self, cnt: cute.Tensor, offs: cute.Tensor, lc: tuple, it: Int32, lane: Int32):
-        """Load `it` of this CTA: (window record index, first activation row, window). Without stream_k the CTA's
-        loads are N tile it // nw of its (expert, M tile), window w_lo + it % nw; with stream_k they continue the
-        global window order from the CTA's first unit (tile-major: locate_tile). lc = (M tile or CTA index, expert,
-        its first row, w_lo, u0, experts)."""
+        """Load `it` of this CTA: (tile = expert x M tiles + M tile, first activation row, window). Without stream_k
+        the CTA's loads are N tile it // nw of its (expert, M tile), window w_lo + it % nw; with stream_k they continue
+        the global window order from the CTA's first unit (tile-major: locate_tile). lc = (M tile or CTA index,
+        expert, its first row, w_lo, u0, experts)."""
         mt, e, row_base, w_lo, u0, num_experts, skt = lc
         nw = self.nwk
-        rec = Int32(0)
+        tile = Int32(0)
         row0 = Int32(0)
         w = Int32(0)
         if cutlass.const_expr(self.stream_k):
@@ -919,19 +941,19 @@ class GroupedGemmSm90:
             w = v - a * nw
             p = a - u0 // (nw // self.prefetch)  # the CTA's piece of this load
             if p < SK_TABLE:
-                rec = skt[0, p] + w
+                tile = skt[0, p]
                 row0 = skt[1, p]
             else:
                 pe, pnt, pmt, _ = self.locate_tile(cnt, a, num_experts, lane)
-                rec = (pe * self.m_tiles + pmt) * self.windows + w
+                tile = pe * self.m_tiles + pmt
                 row0 = offs[pe] + pnt * self.n
         else:
             it_t = it // nw
             it_w = it - it_t * nw
             w = w_lo + it_w
-            rec = (e * self.m_tiles + mt) * self.windows + w
+            tile = e * self.m_tiles + mt
             row0 = row_base + it_t * self.n
-        return rec, row0, w
+        return tile, row0, w
 
     @cute.jit
     def work_piece(
@@ -1073,25 +1095,28 @@ class GroupedGemmSm90:
         sbuf: cute.Tensor,
         lut_at: Int32,
         fw: cute.Tensor,
-        rs: cute.Tensor,
         slot: cutlass.Constexpr,
         s: cutlass.Constexpr,
     ):
         """Subtile s of the window in `slot`: FP4 -> E4M3 A fragment (per-group LUT of its exponent relative to the
-        row's reference f), and the 2^(f - 127) row scales of its two rows. lut_at: the pair table's shared address.
-        Per pair of k32 steps (2h, 2h + 1), row by row (r0, then r0 + 8: one table entry in registers at a time): the
-        row's entry (LUT[dd] of both steps, at byte offset 16 pair) in one 16-byte load, then the row's 16 codes of
-        the two steps."""
+        row's reference f). lut_at: the pair table's shared address. Per pair of k32 steps (2h, 2h + 1), row by row
+        (r0, then r0 + 8: one table entry in registers at a time): the row's entry (LUT[dd] of both steps, at byte
+        offset 16 x pair 2u + h of the record word: one AND, or a shift / rotation and an AND) in one 16-byte load,
+        then the row's 16 codes of the two steps."""
         for h in cutlass.range_constexpr(2):
             for u in cutlass.range_constexpr(2):
-                tab = ld_shared_v4(lut_at + ((sbuf[u, s, slot] >> (PAIR_STEP * h)) & PAIR_MASK))
+                b = 2 * u + h  # the record word's pair b, 16 x it at bits 4-11 of the word rotated right by 8 b
+                off = sbuf[s, slot] & 0xFF0
+                if cutlass.const_expr(b == 3):
+                    off = rotl32(sbuf[s, slot], 8) & 0xFF0
+                elif cutlass.const_expr(b > 0):
+                    off = (sbuf[s, slot] >> (8 * b)) & 0xFF0
+                tab = ld_shared_v4(lut_at + off)
                 for sh in cutlass.range_constexpr(2):
                     step = 2 * h + sh
                     lo, hi = decode8(abuf[2 * sh + u, h, s, slot], tab[2 * sh], tab[2 * sh + 1], DECODE8_SPLIT_SIGN_PTX)
                     fw[4 * step + u] = lo  # a0 / a1 (row r0 / r0 + 8), codes 0-3
                     fw[4 * step + 2 + u] = hi  # a2 / a3, codes 4-7
-        for u in cutlass.range_constexpr(2):
-            rs[u, s] = bits_to_f32(sbuf[u, s, slot] & BASE_MASK)
 
     @cute.jit
     def mma_window(
@@ -1118,7 +1143,7 @@ class GroupedGemmSm90:
         wg: Int32,
         sb: Int32,
         tw: Int32,
-        srow0: Int32,
+        swrd0: Int32,
         slot: cutlass.Constexpr,
     ):
         """This thread's weights and scale words of the window in `stage` (16-byte shared loads, conflict-free): its
@@ -1127,9 +1152,8 @@ class GroupedGemmSm90:
             for h in cutlass.range_constexpr(2):
                 # racecheck-ordered: after consumer_wait (full mbarrier), before consumer_release (produce_weights)
                 cute.autovec_copy(sW[None, tw, wg * 4 + (sb + s) * 2 + h, stage], abuf[None, h, s, slot])
-            for u in cutlass.range_constexpr(2):
-                # racecheck-ordered: as the weights above
-                sbuf[u, s, slot] = sS[srow0 + 64 * (sb + s) + 8 * u, stage]
+            # racecheck-ordered: as the weights above
+            sbuf[s, slot] = sS[swrd0 + 32 * (sb + s), stage]
 
     @cute.jit
     def promote(
@@ -1140,15 +1164,31 @@ class GroupedGemmSm90:
         w: Int32,
         t0: Int32,
         s: cutlass.Constexpr,
-        rs: cute.Tensor = None,
     ):
-        """acc += accw * sx[token] for window w, subtile s (token scales from shared memory: ssx); with rs (the
-        piece's last window) then acc *= 2^(f - 127)[row]: exact, a power of two per row."""
+        """acc += accw * sx[token] for window w, subtile s (token scales from shared memory: ssx)."""
         for i in cutlass.range_constexpr(cute.size(acc)):
-            v0, v1, q = i % 2, (i // 2) % 2, i // 4
+            v0, q = i % 2, i // 4
             acc[i] = acc[i] + accw[i] * ssx[w, 2 * t0 + v0 + 8 * q]
-            if cutlass.const_expr(rs is not None):
-                acc[i] = acc[i] * rs[v1, s]
+
+    @cute.jit
+    def load_row_scale(self, ws: cute.Tensor, tile: Int32, half_at: Int32, tidx: Int32) -> Int32:
+        """Thread tidx's row of the CTA's rows of `tile` (expert x M tiles + M tile): its 2^(f - 127) as fp32 bits
+        (prepack: a tile's row scales follow its windows' records); 0 for threads past the CTA's rows."""
+        v = Int32(0)
+        if tidx < self.rows:
+            at = tile * (self.windows * RECORD_WORDS + TILE_M) + self.windows * RECORD_WORDS + half_at * self.rows
+            v = ws[at + tidx]
+        return v
+
+    @cute.jit
+    def scale_rows(self, acc: cute.Tensor, srs: cute.Tensor, r0: Int32):
+        """acc *= 2^(f - 127) of its rows (r0 and r0 + 8 of the CTA's rows, scales in shared memory: srs): exact, a
+        power of two per row, once per piece after its last window."""
+        for u in cutlass.range_constexpr(2):
+            rs = srs[r0 + 8 * u]
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if cutlass.const_expr((i // 2) % 2 == u):
+                    acc[i] = acc[i] * rs
 
     @cute.jit
     def epilogue_w1(
@@ -1326,7 +1366,7 @@ def fake_operands(mode: str, m: int, k: int, ranks_sym=None):
     dyn = cute.sym_int
     ops = [
         make_fake_compact_tensor(Int32, (dyn(), 128, 4), stride_order=(2, 1, 0), assumed_align=16),
-        make_fake_compact_tensor(Int32, (dyn(), 256), stride_order=(1, 0), assumed_align=16),
+        make_fake_compact_tensor(Int32, (dyn(),), assumed_align=16),
         make_fake_compact_tensor(f8, (dyn(), k), stride_order=(1, 0), assumed_align=16),
         make_fake_compact_tensor(Float32, (nw, dyn()), stride_order=(1, 0), assumed_align=16),
         make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4),

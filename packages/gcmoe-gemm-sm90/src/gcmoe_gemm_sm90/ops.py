@@ -145,7 +145,7 @@ def _launch(
     assert len(sig) == sig_words(mode, cfg)
     kern = compiled(mode, packed.m, packed.k, cfg, target_arch(dev.index))
     wq = packed.data.view(torch.int32).view(-1, 128, 4)
-    ws = packed.scales.view(-1, 256)
+    ws = packed.scales.view(-1)
     kern(
         as_cute(wq, 0, 16),
         as_cute(ws, 0, 16),

@@ -17,17 +17,22 @@ Tiling (operand swap: weight rows are WGMMA's M, tokens are N; K = reduction):
 Row-referenced scales (per row r, over its K/32 groups; one UE8M0 exponent e per 32-group in the logical tensor):
     ref[r] = max e over the row's non-zero groups;  f[r] = max(ref - LUT_TOP, 1)  (the row's reference exponent)
     dd[r, g] = min(f + LUT_TOP - e, 15)  (0 for an all-zero group above ref: its values are zero anyway)
-    record     int32 per (E, M/256, K/128, CTA row); CTA row = 128j + 64s + 16warp + 8u + g:
-               bits [4, 12) pair(dd_0, dd_1), [12, 20) pair(dd_2, dd_3) of the window's four groups, [23, 31) f
-               (pair(a, b) = a | b << 4; f is the same in every window of a row)
+    scales     int32 [E, M/256, W * 128 + 256]: per CTA tile, W windows of 128 record words, then the tile's 256 row
+               scales 2^(f - 127) (fp32 bits, CTA row order). CTA row = 128j + 64s + 16warp + 8u + g; the thread's
+               two rows r0, r0 + 8 (u = 0, 1) share record word 64j + 32s + 8warp + g of the window, which holds
+               pair b = 2u + h = pair(dd_2h, dd_2h+1) of that row's window groups 2h, 2h + 1 (pair(a, b) =
+               a | b << 4) at bits [8b + 4, 8b + 12) mod 32 (pair 3 wraps: bits 28-31, 0-3): rotated right by 8b and
+               masked with 0xFF0, a word gives 16 x pair b, the pair table's byte offset (an AND for pair 0, a shift
+               or a funnel shift and an AND for the others). 16 bits per row and window (the logical scales' 32:
+               the format's 4 bytes per 128 K become 2), one 32-bit shared load per thread and subtile; a half
+               tile's records are its 64 contiguous words.
     the kernel decodes group q with LUT[dd_q] = E4M3(E2M1 magnitudes * 2^(LUT_TOP - dd)), 16 tables: values up to
     6 * 2^6 = 384 (< 448) at dd = 0, exact down to 0.5 * 2^-8 at dd = 14. A window's accumulator then needs no per-row
     scale: it is promoted with the tokens' activation scales alone (one FFMA per element), and the tile's
-    accumulator is multiplied by 2^(f - 127) once per row after its last window (exact: a power of two; before any
+    accumulator is multiplied by its rows' 2^(f - 127) once, after its last window (exact: a power of two; before any
     K-split / stream_k reduction, so every partial is already in the row's units). In shared memory the kernel keeps
-    the pair table (lut_pair_words: entry pair(a, b) = LUT[a], LUT[b], 16 bytes), so one AND gives the byte offset
-    of steps 0-1's two tables (rec & 0xFF0), a shift and an AND those of steps 2-3, and one 16-byte shared load
-    fetches two steps' tables; rec & 0x7F800000 is 2^(f - 127) as fp32 bits.
+    the pair table (lut_pair_words: entry pair(a, b) = LUT[a], LUT[b], 16 bytes): two k32 steps' tables in one
+    16-byte shared load at the offset a record word gives.
 
 Effective weight = E4M3_RNE(v * 2^(LUT_TOP - dd)) * 2^(f - 127): exactly the MXFP4 value whenever dd <= 14, i.e. for
 every group of a row whose non-zero groups' exponents span at most 14 binades (the per-128-K-window bases this
@@ -53,16 +58,15 @@ TILE_M = 256
 WINDOW_K = 128
 GATE_UP_GROUP = 8
 MAX_DD = 15
+RECORD_WORDS = TILE_M // 2  # record words per (tile, window): 16 bits per row
 LUT_TOP = 6  # LUT[dd] = E4M3(magnitudes * 2^(LUT_TOP - dd)): 6 * 2^6 = 384 fits E4M3 (448); dd <= 14 is exact
 EXACT_DD = LUT_TOP + 8  # E4M3 subnormals reach 0.5 * 2^-8
-PAIR_SHIFTS = (4, 12)  # record bits of pair(dd_0, dd_1) and pair(dd_2, dd_3): rec & 0xFF0 is 16 x pair(dd_0, dd_1)
-BASE_SHIFT = 23  # the row reference's record bits: rec & 0x7F800000 is 2^(f - 127) as fp32 bits
 
 
 @dataclass(frozen=True)
 class PackedSm90:
     data: torch.Tensor  # uint8 [E, M/256, K/128, 2, 2, 2, 128, 16]
-    scales: torch.Tensor  # int32 [E, M/256, K/128, 256]
+    scales: torch.Tensor  # int32 [E, M/256, K/128 * 128 + 256]: per tile its windows' record words, its row scales
     m: int
     k: int
     gate_up: bool
@@ -92,26 +96,47 @@ def lut_pair_words() -> torch.Tensor:
     return torch.cat([lut[idx & 0xF], lut[idx >> 4]], dim=1).contiguous()
 
 
-def make_records(base: torch.Tensor, dd: torch.Tensor) -> torch.Tensor:
-    """int32 records from base [...] (the row reference f, 0..255) and dd [..., 4] (0..MAX_DD) (the layout in the
-    module docstring)."""
-    pairs = [dd[..., 2 * h] | dd[..., 2 * h + 1] << 4 for h in range(2)]
-    rec = base.to(torch.int64) << BASE_SHIFT | pairs[0].to(torch.int64) << PAIR_SHIFTS[0]
-    return (rec | pairs[1].to(torch.int64) << PAIR_SHIFTS[1]).to(torch.int32)
+def _cta_rows() -> torch.Tensor:
+    """[128 words, 2 u]: the CTA rows whose records share each record word (word 64j + 32s + 8warp + g holds rows
+    128j + 64s + 16warp + g and that + 8)."""
+    word = torch.arange(RECORD_WORDS)
+    r0 = (word // 8) * 16 + word % 8
+    return torch.stack([r0, r0 + 8], dim=1)
 
 
-def record_base(rec: torch.Tensor) -> torch.Tensor:
-    return (rec.to(torch.int64) >> BASE_SHIFT) & 0xFF
+def make_records(dd: torch.Tensor) -> torch.Tensor:
+    """dd [..., 256 CTA rows, 4 groups] (0..MAX_DD) -> int32 record words [..., 128] (the layout in the module
+    docstring)."""
+    d = dd.to(torch.int64)[..., _cta_rows().to(dd.device), :]  # [..., word, u, q]
+    pairs = d[..., 0::2] | d[..., 1::2] << 4  # [..., word, u, h]
+    word = sum(pairs[..., u, h] << (8 * (2 * u + h)) for u in range(2) for h in range(2))
+    word = (word << 4 | word >> 28) & 0xFFFFFFFF  # pair b at bits 8b + 4 (rotated left by 4)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 
 
-def record_pair(rec: torch.Tensor, half: int) -> torch.Tensor:
-    """pair(dd_{2 half}, dd_{2 half + 1}) of each record: the pair table's entry for k32 steps 2 half, 2 half + 1."""
-    return (rec.to(torch.int64) >> PAIR_SHIFTS[half]) & 0xFF
+def record_pair(words: torch.Tensor, u: int, h: int) -> torch.Tensor:
+    """pair(dd_2h, dd_2h+1) of rows u of each record word: the pair table's entry for k32 steps 2h, 2h + 1."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    return ((w >> 4 | w << 28) >> (8 * (2 * u + h))) & 0xFF
 
 
-def record_dd(rec: torch.Tensor) -> torch.Tensor:
-    """dd [..., 4] of each record."""
-    return torch.stack([(record_pair(rec, q // 2) >> (4 * (q % 2))) & 0xF for q in range(4)], dim=-1)
+def record_dd(words: torch.Tensor) -> torch.Tensor:
+    """record words [..., 128] -> dd [..., 256 CTA rows, 4]."""
+    d = torch.stack(
+        [torch.stack([(record_pair(words, u, q // 2) >> (4 * (q % 2))) & 0xF for q in range(4)], -1) for u in range(2)],
+        dim=-2,
+    )  # [..., word, u, q]
+    out = torch.empty(*words.shape[:-1], TILE_M, 4, dtype=torch.int64, device=words.device)
+    out[..., _cta_rows().to(words.device), :] = d
+    return out
+
+
+def split_scales(p: PackedSm90) -> tuple[torch.Tensor, torch.Tensor]:
+    """p.scales -> (record words int32 [E, MT, W, 128], row scales fp32 [E, MT, 256 CTA rows])."""
+    e, mt, nw = p.data.shape[:3]
+    return p.scales[..., : nw * RECORD_WORDS].view(e, mt, nw, RECORD_WORDS), p.scales[..., nw * RECORD_WORDS :].view(
+        torch.float32
+    )
 
 
 def row_exponents(scale: torch.Tensor, nonzero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -191,8 +216,9 @@ def prepack_sm90(w: MXFP4Tensor, gate_up: bool = False) -> PackedSm90:
     data = sign_layout(data.reshape(e, mt, nw, 2, 2, 2, 128, 16), to_split=True)
     # ---- scales
     f, dd, lossy = row_exponents(scale, _nonzero_groups(packed))  # [E, M], [E, M, K/32]
-    rec = make_records(f.view(e, mt, 256, 1), dd.view(e, mt, 256, nw, 4))
-    scales = rec.permute(0, 1, 3, 2).contiguous()  # [E, MT, W, 256]
+    words = make_records(dd.view(e, mt, 256, nw, 4).transpose(2, 3))  # [E, MT, W, 128]
+    rs = torch.ldexp(torch.ones_like(f, dtype=torch.float32), f - 127).view(e, mt, 256)
+    scales = torch.cat([words.reshape(e, mt, nw * RECORD_WORDS), rs.view(torch.int32)], dim=-1).contiguous()
     return PackedSm90(data, scales, m, k, gate_up, lossy)
 
 
@@ -214,9 +240,10 @@ def unpack_sm90(p: PackedSm90) -> MXFP4Tensor:
             for b in range(4):
                 rows[:, :, :, :, r0[tw] + 8 * u, :, :, int(bidx[tw[0], b])] = src[:, :, :, :, tw, :, :, b]
     packed = rows.view(e, p.m, p.k // 2)
-    rec = p.scales.permute(0, 1, 3, 2)  # [E, MT, 256, W]
-    f, dd = record_base(rec), record_dd(rec)
-    scale = (f.unsqueeze(-1) + LUT_TOP - dd).clamp(0, 255).to(torch.uint8).reshape(e, p.m, p.k // 32)
+    words, rs = split_scales(p)
+    f = (rs.view(torch.int32).to(torch.int64) >> 23).view(e, mt, 256, 1, 1)
+    dd = record_dd(words).transpose(2, 3)  # [E, MT, 256, W, 4]
+    scale = (f + LUT_TOP - dd).clamp(0, 255).to(torch.uint8).reshape(e, p.m, p.k // 32)
     if p.gate_up:
         inv = inverse_permutation(gate_up_permutation(p.m // 2, GATE_UP_GROUP, dev))
         packed, scale = packed[:, inv], scale[:, inv]
@@ -244,7 +271,7 @@ def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
     words = sign_layout(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 4, 4)  # [.., half, tw, word, 4 B]
     words = words.to(torch.int64)
     word = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [.., half, tw, 4]
-    rec = p.scales.to(torch.int64) & 0xFFFFFFFF  # [E, MT, W, 256]
+    rec, rsc = split_scales(p)  # [E, MT, W, 128 words], [E, MT, 256 rows]
     out = torch.empty(e, mt, nw, 2, 2, 64, 128, dtype=torch.float32, device=p.data.device)  # [.., j, s, row, k]
     r0, tt = _thread_rows_cols()
     for half in range(2):
@@ -257,16 +284,20 @@ def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
                     + torch.arange(2).view(1, 2, 1) * 64
                     + (r0 + 8 * u).view(1, 1, 128)
                 ).to(p.data.device)  # [j, s, tw]
-                rr = rec[:, :, :, cta_row]  # [E, MT, W, j, s, tw]
-                base = record_base(rr)
-                entry = table[record_pair(rr, half)]  # [E, MT, W, j, s, tw, 4 words]: LUT[dd_2half], LUT[dd_2half+1]
+                rword = (
+                    torch.arange(2).view(2, 1, 1) * 64
+                    + torch.arange(2).view(1, 2, 1) * 32
+                    + (r0 // 16 * 8 + r0 % 8).view(1, 1, 128)
+                ).to(p.data.device)  # [j, s, tw]: the thread's record word
+                rs = rsc[:, :, cta_row].unsqueeze(2)  # [E, MT, 1, j, s, tw]
+                entry = table[record_pair(rec[:, :, :, rword], u, half)]  # [.., tw, 4 words]: LUT[dd_2h], LUT[dd_2h+1]
                 for nib in range(8):
                     code = (wv >> (4 * nib)) & 0xF
                     lut_word = entry.gather(-1, (2 * si + (code & 7) // 4).unsqueeze(-1)).squeeze(-1)
                     mag = (lut_word >> (8 * (code & 3))) & 0xFF
                     byte = mag | ((code & 8) << 4)
                     val = byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
-                    val = val * torch.ldexp(torch.ones_like(base, dtype=torch.float32), base - 127)
+                    val = val * rs
                     kk = 32 * step + (4 * tt + nib if nib < 4 else 16 + 4 * tt + nib - 4).to(p.data.device)
                     rows = (r0 + 8 * u).to(p.data.device)
                     out[:, :, :, :, :, rows, kk] = val  # (row, k) pairs per thread
