@@ -33,11 +33,11 @@ stage's mbarrier. The activation boxes start at the expert's first row (any mult
 the next expert's rows or past the end, which reads zeros; those token columns are computed and never stored).
 Every thread reads its own weight fragments from the stage with 16-byte shared loads (conflict-free), decodes them
 in registers (decode_ptx: split-sign layout, per-group LUT from shared memory: one 16-byte entry of prepack's pair
-table holds two k32 steps' tables, at 16 x a byte of the rows' record word) and issues m64nNk32 WGMMAs with A from
-registers and B (tokens) from the stage. Each window's WGMMAs accumulate into a window
-accumulator that is then promoted into the main accumulator with the tokens' activation scales (two-level FP32
-accumulation, one FFMA per element; the N tile's scales of every window are staged in shared memory once, before its
-window loop); the rows' 2^(f - 127) multiplies the main accumulator once, after the tile's (piece's) last window.
+table holds two k32 steps' tables, at the offset a mask of the rows' record word gives) and issues m64nNk32 WGMMAs
+with A from registers and B (tokens) from the stage. Each window's WGMMAs accumulate into a window accumulator that
+is then promoted into the main accumulator with the tokens' activation scales (two-level FP32 accumulation, one FFMA
+per element; the N tile's scales of every window are staged in shared memory once, before its window loop); the rows'
+2^(f - 127) multiplies the main accumulator once, after the tile's (piece's) last window.
 
 Per window: one unconditional wait_group(0) for the previous window, release + refill, promote; decode subtile 0, its
 WGMMAs; decode subtile 1 while those run (overlap), its WGMMAs. ptxas serialises every WGMMA (a wait after each) if a

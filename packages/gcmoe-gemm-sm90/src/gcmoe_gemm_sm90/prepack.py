@@ -134,9 +134,8 @@ def record_dd(words: torch.Tensor) -> torch.Tensor:
 def split_scales(p: PackedSm90) -> tuple[torch.Tensor, torch.Tensor]:
     """p.scales -> (record words int32 [E, MT, W, 128], row scales fp32 [E, MT, 256 CTA rows])."""
     e, mt, nw = p.data.shape[:3]
-    return p.scales[..., : nw * RECORD_WORDS].view(e, mt, nw, RECORD_WORDS), p.scales[..., nw * RECORD_WORDS :].view(
-        torch.float32
-    )
+    words = p.scales[..., : nw * RECORD_WORDS].view(e, mt, nw, RECORD_WORDS)
+    return words, p.scales[..., nw * RECORD_WORDS :].view(torch.float32)
 
 
 def row_exponents(scale: torch.Tensor, nonzero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
