@@ -7,11 +7,13 @@ fills where a GPU is present (on a CPU-only machine CuTe DSL compiles "compile o
 device step; `--list` prints the jobs anywhere.
 
     python tools/gpu/precompile.py --models deepseek-v4-flash deepseek-v3 --tokens 1 8 32 128 [--ep 8]
-        [--tests] [--test-variants '*half'] [--half] [--workers 16] [--list]
+        [--tests] [--kernels-bench] [--test-variants '*half'] [--half] [--workers 16] [--list]
 
 --models / --tokens: the public layer's kernels (MoEConfig.ep_slice(model, ep), the bucket of each T; ring mode,
 exactly what gcmoe's sm90 backend launches: gcmoe_gemm_sm90.ops.layer_config + ring_kernel_config).
 --tests: also the sm90 kernel tests' ring-mode variants (test_grouped_gpu.RING_VARIANTS, ring and prepared rows).
+--kernels-bench: also the kernels `python -m gcmoe_gemm_sm90.bench` times at --tokens (prepared rows, the chosen
+configuration; run it with --variants and --split-sweep 0 to need no others).
 --half: also each bucket's W1 / W2 with the other cfg.w2_half and the variants of half_variants (split_sweep
 --sweep w2_half / w1_half).
 --test-variants PATTERN...: also the prepared-rows kernel tests' configs (test_grouped_gpu.VARIANTS whose names match
@@ -77,6 +79,22 @@ def layer_jobs(model: str, ep: int, tokens: list[int], half: bool = False) -> li
     return jobs
 
 
+def kernels_bench_jobs(model: str, ep: int, tokens: list[int]) -> list[tuple]:
+    """(mode, M, K, config) of W1 and W2 as `python -m gcmoe_gemm_sm90.bench` launches them at each T (the routed
+    experts of the EP slice on prepared rows, not ring mode, its chosen configuration; --variants / --split-sweep
+    configurations not included)."""
+    from gcmoe_core.config import MoEConfig
+    from gcmoe_gemm_sm90.ops import layer_config
+
+    cfg = MoEConfig.ep_slice(model, ep, max_tokens_per_rank=max(256, *tokens), num_shared_experts=0)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    jobs = []
+    for t in tokens:
+        kcfg = layer_config(t, cfg.top_k, cfg.num_experts, h, i, 0)
+        jobs += [("w1", 2 * i, h, kcfg), ("w2", h, i, kcfg)]
+    return jobs
+
+
 def _load(path: Path):
     spec = importlib.util.spec_from_file_location("_sm90_gpu_tests", path)
     mod = importlib.util.module_from_spec(spec)
@@ -132,10 +150,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--test-variants", nargs="*", default=[], help="also test_grouped_gpu's VARIANTS matching these patterns"
     )
+    ap.add_argument("--kernels-bench", action="store_true", help="also gcmoe_gemm_sm90.bench's chosen kernels")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--list", action="store_true", help="print the jobs and compile nothing")
     args = ap.parse_args(argv)
     jobs = [j for model in args.models for j in layer_jobs(model, args.ep, args.tokens, args.half)]
+    if args.kernels_bench:
+        jobs += [j for model in args.models for j in kernels_bench_jobs(model, args.ep, args.tokens)]
     if args.tests:
         jobs += test_jobs()
     jobs += grouped_test_jobs(args.test_variants) if args.test_variants else []
