@@ -617,6 +617,23 @@ def test_precompile_lists_the_layers_kernels_and_the_ring_tests_variants(capsys)
     assert len(out) == 2 + len(tests) and out[0].startswith("w1 4096 7168 Sm90Config(")
 
 
+def test_precompile_kernels_bench_jobs_are_the_bench_configs(capsys):
+    """--kernels-bench: per T, W1 and W2 as gcmoe_gemm_sm90.bench launches them (prepared rows, not ring mode; the
+    routed experts of the EP slice: MoESm90.config_for = layer_config of that shape)."""
+    from gcmoe_core.config import MoEConfig
+    from gcmoe_gemm_sm90.ops import layer_config
+
+    jobs = precompile.kernels_bench_jobs("deepseek-v3", 8, [1, 32, 128])
+    cfg = MoEConfig.ep_slice("deepseek-v3", 8, max_tokens_per_rank=256, num_shared_experts=0)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    for t, (w1, w2) in zip((1, 32, 128), zip(jobs[::2], jobs[1::2]), strict=True):
+        want = layer_config(t, cfg.top_k, cfg.num_experts, h, i, 0)
+        assert not want.ring and w1 == ("w1", 2 * i, h, want) and w2 == ("w2", h, i, want)
+    assert precompile.main(["--models", "deepseek-v3", "--tokens", "1", "--kernels-bench", "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and sum("ring=False" in line for line in out) == 2
+
+
 def test_precompile_half_variants_and_the_grouped_tests_configs():
     """--half: split_sweep's half-tile variants of each bucket (half_variants), only configurations the kernel takes;
     --test-variants: exactly the configurations test_grouped_gpu.py runs (grouped_config), skipped pairs left out."""
