@@ -24,6 +24,7 @@ import torch
 
 from gcmoe_core.cutedsl import cutlass_modules
 from gcmoe_core.kernel_helpers import bulk_copy_g2s
+from gcmoe_gemm_sm90.config import WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES
 
 cutlass, cute = cutlass_modules()
 import cuda.bindings.driver as cuda  # noqa: E402
@@ -31,8 +32,8 @@ import cutlass.pipeline as pipeline  # noqa: E402
 import cutlass.utils as utils  # noqa: E402
 
 Int32, Int64 = cutlass.Int32, cutlass.Int64
-WEIGHT_BYTES = 16384  # one 256-row x 128-K window of FP4 weights (gcmoe_gemm_sm90.config.WINDOW_WEIGHT_BYTES)
-SCALE_BYTES = 512  # its scale records (WINDOW_SCALE_BYTES)
+WEIGHT_BYTES = WINDOW_WEIGHT_BYTES  # one 256-row x 128-K window of FP4 weights, as the kernels stream it
+SCALE_BYTES = WINDOW_SCALE_BYTES  # its scale records
 WINDOW_BYTES = WEIGHT_BYTES + SCALE_BYTES
 THREADS = 256  # two warpgroups, as the kernels at N <= 24
 

@@ -140,7 +140,7 @@ from gcmoe_core.signals import KIND_BLOCK, KIND_BUSY, KIND_OFFS, KIND_W1
 from .config import LUT_PAIR_BYTES, WINDOW_SCALE_BYTES, WINDOW_WEIGHT_BYTES, Sm90Config, can_implement, half_stages
 from .decode_ptx import DECODE8_SPLIT_SIGN_PTX
 from .kernel_decode import decode8
-from .prepack import RECORD_WORDS
+from .prepack import RECORD_WORDS, tile_scale_words
 
 cutlass, cute = cutlass_modules()
 import cuda.bindings.driver as cuda  # noqa: E402
@@ -890,7 +890,7 @@ class GroupedGemmSm90:
             stage = prod.index
             w_src = w_base + (cutlass.Int64(tile) * self.windows + w) * WINDOW_WEIGHT_BYTES
             # (each tile's windows of records are followed by its row scales)
-            s_src = s_base + cutlass.Int64(tile) * (self.windows * WINDOW_SCALE_BYTES + TILE_M * 4)
+            s_src = s_base + cutlass.Int64(tile) * (tile_scale_words(self.windows) * 4)
             s_src += cutlass.Int64(w) * WINDOW_SCALE_BYTES
             hint = self.cfg.evict_first
             # racecheck-ordered: racecheck reports these bulk copies (a write by this thread) against the consumers'
@@ -1176,7 +1176,7 @@ class GroupedGemmSm90:
         (prepack: a tile's row scales follow its windows' records); 0 for threads past the CTA's rows."""
         v = Int32(0)
         if tidx < self.rows:
-            at = tile * (self.windows * RECORD_WORDS + TILE_M) + self.windows * RECORD_WORDS + half_at * self.rows
+            at = tile * tile_scale_words(self.windows) + self.windows * RECORD_WORDS + half_at * self.rows
             v = ws[at + tidx]
         return v
 

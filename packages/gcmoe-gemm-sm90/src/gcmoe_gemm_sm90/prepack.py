@@ -131,6 +131,11 @@ def record_dd(words: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def tile_scale_words(windows: int) -> int:
+    """int32 words of one tile's block of PackedSm90.scales: its windows' record words, then its row scales."""
+    return windows * RECORD_WORDS + TILE_M
+
+
 def split_scales(p: PackedSm90) -> tuple[torch.Tensor, torch.Tensor]:
     """p.scales -> (record words int32 [E, MT, W, 128], row scales fp32 [E, MT, 256 CTA rows])."""
     e, mt, nw = p.data.shape[:3]
