@@ -87,6 +87,11 @@ VARIANTS = {  # weights by bulk copy into the pipeline's stages (the only weight
     # a cluster pair exchanging each token's maximum for the FP8 scale)
     "w2-half": dict(prefetch=2, warpgroups=4, w2_half=True),
     "half": dict(prefetch=2, warpgroups=4, w1_half=True, w2_half=True),
+    # grid row y runs expert y (no active-first rows: the layer's grids from about 4 tokens per rank on), the CTAs of
+    # empty experts (one_expert, half_empty) among them
+    "in-order": dict(prefetch=2, active_first=False),
+    "split2-in-order": dict(prefetch=1, splits=(2, 2), active_first=False),
+    "half-in-order": dict(prefetch=2, warpgroups=4, w1_half=True, w2_half=True, active_first=False),
 }
 
 
@@ -232,6 +237,12 @@ RING_VARIANTS = {
     "n80-half": Sm90Config(n_tile=80, stages=3, prefetch=2, w1_half=True, w2_half=True),
     "n8-stream-k": Sm90Config(n_tile=8, stages=3, prefetch=2, stream_k=True),
     "n16-stream-k-p1": Sm90Config(n_tile=16, stages=3, prefetch=1, stream_k=True),
+    # in-order grid rows (the layer's config from about 4 tokens per rank): expert 2's CTAs find no rows, and every
+    # CTA meets the failed waits of test_ring_wait_is_bounded_and_recorded
+    "n16-in-order": Sm90Config(n_tile=16, stages=3, prefetch=2, active_first=False),
+    "n48-half-in-order": Sm90Config(
+        n_tile=48, stages=3, prefetch=2, warpgroups=4, w1_half=True, w2_half=True, active_first=False
+    ),
 }
 
 
@@ -372,20 +383,21 @@ def test_ring_mode_with_fewer_grid_rows_than_experts_with_rows(variant):
         assert sig[SIG_ERR] == 0
 
 
-def _ring_warmed(seed: int):
-    """N 16 in ring mode on hand-made rows, launched once (compiled and loaded outside any timed launch); returns
-    (cfg, layout, run, fresh signal words)."""
-    cfg = replace(RING_VARIANTS["n16"], ring=True)
+def _ring_warmed(seed: int, variant: str = "n16"):
+    """A ring variant (N 16) in ring mode on hand-made rows, launched once (compiled and loaded outside any timed
+    launch); returns (cfg, layout, run, fresh signal words)."""
+    cfg = replace(RING_VARIANTS[variant], ring=True)
     _, layout, _, run = _ring_setup(seed, cfg)
     run.launch(cfg, ring_sync(ring_signals(layout)))
     torch.cuda.synchronize()
     return cfg, layout, run, ring_signals(layout)
 
 
-def test_ring_mode_stores_nothing_once_err_is_set():
+@pytest.mark.parametrize("variant", ["n16", "n16-in-order"])
+def test_ring_mode_stores_nothing_once_err_is_set(variant):
     """A call whose ERR word is already set (another kernel's wait failed) writes no output and no ERR word, and
     returns at once (no wait runs to its bound)."""
-    cfg, _, run, sig = _ring_warmed(12)
+    cfg, _, run, sig = _ring_warmed(12, variant)
     sig[SIG_ERR : SIG_ERR + 5] = torch.tensor([ERR_FAILED, KIND_RECV, 1, 1, 0], dtype=torch.int32)
     before = sig.clone()
     run.poison()
@@ -400,15 +412,16 @@ def test_ring_mode_stores_nothing_once_err_is_set():
     assert dt < 0.5, f"{dt:.3f} s with ERR set: a wait ran instead of returning at once"
 
 
+@pytest.mark.parametrize("variant", ["n16", "n16-in-order"])
 @pytest.mark.parametrize("missing", ["offs", "block", "w1"])
-def test_ring_wait_is_bounded_and_recorded(missing):
+def test_ring_wait_is_bounded_and_recorded(missing, variant):
     """offs: OFFS never reaches CGEN + 1 = 1 -> every CTA gives up within the bound (RingSync.timeout_ns), the first
     records (1, KIND_OFFS, 0, generation 1, seen 0), nothing is written. block: the last ring block of expert 3 never
     gets its L1_FULL tag -> (1, KIND_BLOCK, block 5, 1, 0), and expert 3's W2 stores nothing (W1's scratch rows may
     be written; other experts' W2 may store, since it starts per expert). w1: expert 1's W1_DONE count starts off
     (as if a tile of it were lost) so its tag never comes -> its W2 waits out the bound: (1, KIND_W1, expert 1, 1, 0)
     and stores nothing. The whole call returns within 2x the bound."""
-    cfg, layout, run, sig = _ring_warmed(13)
+    cfg, layout, run, sig = _ring_warmed(13, variant)
     block = layout.rows // RING_BM - 1  # expert 3's rows 24..43 lie in blocks 3..5
     if missing == "offs":
         sig[SIG_OFFS] = 0
