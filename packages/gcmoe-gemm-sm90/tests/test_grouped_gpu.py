@@ -237,8 +237,8 @@ RING_VARIANTS = {
     "n80-half": Sm90Config(n_tile=80, stages=3, prefetch=2, w1_half=True, w2_half=True),
     "n8-stream-k": Sm90Config(n_tile=8, stages=3, prefetch=2, stream_k=True),
     "n16-stream-k-p1": Sm90Config(n_tile=16, stages=3, prefetch=1, stream_k=True),
-    # in-order grid rows (the layer's config from about 4 tokens per rank): expert 2's CTAs find no rows, and every
-    # CTA meets the failed waits of test_ring_wait_is_bounded_and_recorded
+    # in-order grid rows (the layer's config from about 4 tokens per rank): expert 2's CTAs find no rows; N 16 also
+    # with ERR set and under every failed wait (test_ring_mode_stores_nothing_once_err_is_set, _wait_is_bounded_...)
     "n16-in-order": Sm90Config(n_tile=16, stages=3, prefetch=2, active_first=False),
     "n48-half-in-order": Sm90Config(
         n_tile=48, stages=3, prefetch=2, warpgroups=4, w1_half=True, w2_half=True, active_first=False
