@@ -7,7 +7,10 @@ events on its stream minus the span of its kernels (first start to last end, pro
 and without it (Sm90Plan.l2_prefetch), to see whether the side branch delays the main one: `main_span_us` (publish's
 start to the last kernel's end) against the event-timed replay.
 
-    python tools/gpu/layer_probe.py [--models deepseek-v3] [--tokens 1 8 32] [--l2-prefetch on off] [--out DIR]
+--flush write: cold L2 by overwriting it (dirty lines, as `gcmoe bench`) instead of reading it (the default).
+
+    python tools/gpu/layer_probe.py [--models deepseek-v3] [--tokens 1 8 32] [--l2-prefetch on off] [--flush read]
+        [--out DIR]
 """
 
 import argparse
@@ -29,9 +32,12 @@ ap.add_argument("--models", nargs="+", default=["deepseek-v3"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32])
 ap.add_argument("--comm", nargs="+", type=int, default=[0, 16])
 ap.add_argument("--l2-prefetch", nargs="+", choices=("on", "off"), default=["on"])
+ap.add_argument("--flush", choices=("read", "write"), default="read")
 ap.add_argument("--out", default=".")
 args = ap.parse_args()
-flush = ColdL2(torch.device("cuda"), "read")
+flush = ColdL2(torch.device("cuda"), args.flush)
+# the flush's kernels, which separate the runs in a profile: a reduction and a memset (read), an elementwise add (write)
+SEPARATORS = ("reduce_kernel", "Memset") if args.flush == "read" else ("elementwise_kernel", "Memset")
 
 
 def short(name: str) -> str:
@@ -67,8 +73,8 @@ def timeline(run, reps=3):
         if e.device_type == torch.autograd.DeviceType.CUDA and "amax" not in e.name.lower()
     )
     runs, cur = [], []
-    for a, b, name in ks:  # the flush's kernels (a reduction, a memset) separate the runs
-        if "reduce_kernel" in name or "Memset" in name:
+    for a, b, name in ks:  # the flush's kernels separate the runs
+        if any(k in name for k in SEPARATORS):
             if cur:
                 runs.append(cur)
             cur = []
@@ -144,6 +150,7 @@ for model in args.models:
                 "tokens": t,
                 "comm_sms": c,
                 "l2_prefetch": pf,
+                "flush": args.flush,
                 "graph_replay_event_us": replay_us,
                 "graph_span_us": span_graph,
                 "main_span_us": main_span,

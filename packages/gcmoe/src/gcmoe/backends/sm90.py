@@ -16,12 +16,12 @@ pipeline (the component packages export kernels only).
     reads them, and HBM idles while the comm kernels' latency chains run). The layer 1.04x faster at T = 1 for
     DeepSeek-V3 and GLM-5 with L2 full of dirty lines (a write flush; 1.01x V4-Flash), 0.99-1.01x with clean ones,
     0.98-1.00x at T = 8 / 32, so bucket 1 only (H200, 2026-12-01, tools/gpu/split_sweep.py --sweep l2_prefetch,
-    docs/benchmarks/l2-hint-h200-2026-12-01.md; Sm90Plan.l2_prefetch switches it off). The gain is most likely L2's
-    dirty lines written back during the comm kernels, not W1's bytes found in L2 (gcmoe_gemm_sm90.kernel_prefetch);
-    prefetching the routed experts' first W1 windows, W2's first windows, or warming either by loads: 0.57-1.02x, not
-    kept (docs/benchmarks/l2-warm-h200-2026-12-01.md). Remeasured 2026-12-02 (w1-start-h200-2026-12-02.md): 1.06x /
-    1.11x for DeepSeek-V3 / GLM-5 with the write flush; the shared experts' W2 added 0.94-0.96x, half the W1 ranges
-    nothing, 4 / 16 / 32 CTAs instead of 8 not better on every shape.
+    docs/benchmarks/l2-hint-h200-2026-12-01.md; Sm90Plan.l2_prefetch switches it off). Prefetching the routed
+    experts' first W1 windows, W2's first windows, or warming either by loads: 0.57-1.02x, not kept
+    (docs/benchmarks/l2-warm-h200-2026-12-01.md). Remeasured 2026-12-02 (w1-start-h200-2026-12-02.md): 1.06x / 1.11x
+    for DeepSeek-V3 / GLM-5 with the write flush, and nearly all of it from the second half of the ranges (the shared
+    expert's last W1 tiles: stream_k's last, on W1's last-launched CTAs; gcmoe_gemm_sm90.kernel_prefetch); the shared
+    experts' W2 added 0.94-0.96x, 4 / 16 / 32 CTAs instead of 8 not better on every shape.
     comm_sms = 0 for the bucket (the tuned policy above its token threshold, or MoELayer(comm_sms=0)): the same five
     kernels on the caller's stream, in order.
 
