@@ -7,10 +7,10 @@ and known before it starts, so the layer prefetches them on a side branch of its
 (docs/benchmarks/l2-hint-h200-2026-12-01.md). What that gain is, measured later (l2-warm-h200-2026-12-01.md,
 tools/gpu/l2_warm_probe.py): in a probe, a bulk-copy stream of 31 MB prefetched this way ran as slowly as a cold one
 (plain loads of the same bytes left it at the HBM floor), so the gain was read as L2 writing its dirty lines back
-during the comm kernels. Remeasured (w1-start-h200-2026-12-02.md): the second half of each range alone gains nearly
-all of it (0.98-0.99x of the whole), the first half nothing (as none), so it is which bytes: the shared expert's last
-W1 tiles, which stream_k puts last, on the CTAs launched last. Prefetching W1's or W2's next windows this way, or
-warming them by loads, made the layer slower (l2-warm-h200-2026-12-01.md).
+during the comm kernels. Remeasured (w1-start-h200-2026-12-02.md, two runs): the second half of each range alone
+gains most of it (55-90 % of the whole's gain), the first half little (13-35 %), so it is mostly which bytes: the
+shared expert's last W1 tiles, which stream_k puts last, on the CTAs launched last. Prefetching W1's or W2's next
+windows this way, or warming them by loads, made the layer slower (l2-warm-h200-2026-12-01.md).
 
     for every range r (address, bytes: by value) and every 16 KB chunk c of it:
         cp.async.bulk.prefetch.L2 [address_r + 16 KB c], min(16 KB, bytes_r - 16 KB c)

@@ -19,9 +19,9 @@ pipeline (the component packages export kernels only).
     docs/benchmarks/l2-hint-h200-2026-12-01.md; Sm90Plan.l2_prefetch switches it off). Prefetching the routed
     experts' first W1 windows, W2's first windows, or warming either by loads: 0.57-1.02x, not kept
     (docs/benchmarks/l2-warm-h200-2026-12-01.md). Remeasured 2026-12-02 (w1-start-h200-2026-12-02.md): 1.06x / 1.11x
-    for DeepSeek-V3 / GLM-5 with the write flush, and nearly all of it from the second half of the ranges (the shared
-    expert's last W1 tiles: stream_k's last, on W1's last-launched CTAs; gcmoe_gemm_sm90.kernel_prefetch); the shared
-    experts' W2 added 0.94-0.96x, 4 / 16 / 32 CTAs instead of 8 not better on every shape.
+    for DeepSeek-V3 / GLM-5 with the write flush, most of it from the second half of the ranges (the shared expert's
+    last W1 tiles: stream_k's last, on W1's last-launched CTAs; gcmoe_gemm_sm90.kernel_prefetch); the shared experts'
+    W2 added 0.91-0.96x, 4 / 16 / 32 CTAs instead of 8 not better on every shape.
     comm_sms = 0 for the bucket (the tuned policy above its token threshold, or MoELayer(comm_sms=0)): the same five
     kernels on the caller's stream, in order.
 
