@@ -25,19 +25,17 @@ from torch.profiler import ProfilerActivity, profile
 import gcmoe
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import make_tokens, make_weights
-from gcmoe_core.timing import ColdL2, time_once
+from gcmoe_core.timing import L2_FLUSHES, ColdL2, time_once
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--models", nargs="+", default=["deepseek-v3"])
 ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32])
 ap.add_argument("--comm", nargs="+", type=int, default=[0, 16])
 ap.add_argument("--l2-prefetch", nargs="+", choices=("on", "off"), default=["on"])
-ap.add_argument("--flush", choices=("read", "write"), default="read")
+ap.add_argument("--flush", choices=L2_FLUSHES, default="read")
 ap.add_argument("--out", default=".")
 args = ap.parse_args()
 flush = ColdL2(torch.device("cuda"), args.flush)
-# the flush's kernels, which separate the runs in a profile: a reduction and a memset (read), an elementwise add (write)
-SEPARATORS = ("reduce_kernel", "Memset") if args.flush == "read" else ("elementwise_kernel", "Memset")
 
 
 def short(name: str) -> str:
@@ -74,7 +72,7 @@ def timeline(run, reps=3):
     )
     runs, cur = [], []
     for a, b, name in ks:  # the flush's kernels separate the runs
-        if any(k in name for k in SEPARATORS):
+        if any(k in name for k in flush.kernel_names):
             if cur:
                 runs.append(cur)
             cur = []

@@ -32,9 +32,7 @@ import cutlass.pipeline as pipeline  # noqa: E402
 import cutlass.utils as utils  # noqa: E402
 
 Int32, Int64 = cutlass.Int32, cutlass.Int64
-WEIGHT_BYTES = WINDOW_WEIGHT_BYTES  # one 256-row x 128-K window of FP4 weights, as the kernels stream it
-SCALE_BYTES = WINDOW_SCALE_BYTES  # its scale records
-WINDOW_BYTES = WEIGHT_BYTES + SCALE_BYTES
+WINDOW_BYTES = WINDOW_WEIGHT_BYTES + WINDOW_SCALE_BYTES  # one window as the kernels stream it: weights, scale records
 THREADS = 256  # two warpgroups, as the kernels at N <= 24
 
 
@@ -103,9 +101,11 @@ class StreamProbe:
             at = base + Int64(w) * WINDOW_BYTES
             stage = dst + prod.index * WINDOW_BYTES
             for c in cutlass.range_constexpr(self.chunks):  # the weights in `chunks` bulk copies
-                part = WEIGHT_BYTES // self.chunks
+                part = WINDOW_WEIGHT_BYTES // self.chunks
                 bulk_copy_g2s(stage + c * part, at + c * part, part, bar, self.evict_first)
-            bulk_copy_g2s(stage + WEIGHT_BYTES, at + WEIGHT_BYTES, SCALE_BYTES, bar, self.evict_first)
+            bulk_copy_g2s(
+                stage + WINDOW_WEIGHT_BYTES, at + WINDOW_WEIGHT_BYTES, WINDOW_SCALE_BYTES, bar, self.evict_first
+            )
 
 
 def window_pipeline(mbar, stages: int, consumer_warps: int) -> pipeline.PipelineTmaAsync:

@@ -26,10 +26,13 @@ L2_FLUSHES = ("write", "read")
 
 
 class ColdL2:
+    """kernel_names: substrings of the names of the kernels a flush launches (what profile readers split runs by)."""
+
     def __init__(self, device: torch.device, mode: str = "write"):
         if mode not in L2_FLUSHES:
             raise ValueError(f"ColdL2: mode must be one of {L2_FLUSHES}, got {mode!r}")
         self.mode = mode
+        self.kernel_names = ("elementwise_kernel", "Memset") if mode == "write" else ("reduce_kernel", "Memset")
         self.buf = torch.zeros(4 * _l2_bytes(device) // 4, dtype=torch.int32, device=device)
         self.out = torch.zeros((), dtype=torch.int32, device=device)
 
