@@ -155,6 +155,11 @@ def row_exponents(scale: torch.Tensor, nonzero: torch.Tensor) -> tuple[torch.Ten
     return f, dd.clamp(0, MAX_DD), lossy
 
 
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """fp32 2^exponent, elementwise (exact)."""
+    return torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
+
+
 def _nonzero_groups(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/2] codes -> bool [..., K/32]: the 32-groups holding a non-zero magnitude (sign bits ignored)."""
     codes = unpack_nibbles(packed)
@@ -221,7 +226,7 @@ def prepack_sm90(w: MXFP4Tensor, gate_up: bool = False) -> PackedSm90:
     # ---- scales
     f, dd, lossy = row_exponents(scale, _nonzero_groups(packed))  # [E, M], [E, M, K/32]
     words = make_records(dd.view(e, mt, 256, nw, 4).transpose(2, 3))  # [E, MT, W, 128]
-    rs = torch.ldexp(torch.ones_like(f, dtype=torch.float32), f - 127).view(e, mt, 256)
+    rs = _pow2(f - 127).view(e, mt, 256)
     scales = torch.cat([words.reshape(e, mt, nw * RECORD_WORDS), rs.view(torch.int32)], dim=-1).contiguous()
     return PackedSm90(data, scales, m, k, gate_up, lossy)
 
@@ -260,9 +265,17 @@ def effective_weights_sm90(w: MXFP4Tensor) -> torch.Tensor:
     e, m, k = w.shape
     f, dd, _ = row_exponents(w.scale, _nonzero_groups(w.packed))
     v = e2m1_decode(unpack_nibbles(w.packed)).view(e, m, k // 32, 32)
-    q = (v * torch.ldexp(torch.ones_like(dd, dtype=torch.float32), LUT_TOP - dd).unsqueeze(-1)).to(torch.float8_e4m3fn)
-    rs = torch.ldexp(torch.ones_like(f, dtype=torch.float32), f - 127).view(e, m, 1, 1)
-    return (q.float() * rs).view(e, m, k)
+    q = (v * _pow2(LUT_TOP - dd).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return (q.float() * _pow2(f - 127).view(e, m, 1, 1)).view(e, m, k)
+
+
+def row_units_sm90(w: MXFP4Tensor) -> torch.Tensor:
+    """fp32 [E, M]: each row's 2^(f - 127) (logical row order), the unit the sm90 kernel's fp32 accumulators hold a
+    row's output in until it multiplies them by it after their last window. A row's output therefore overflows fp32
+    in the kernel once |output| / 2^(f - 127) reaches 2^128, which is sooner than in true units wherever f < 127
+    (weights below 384: every real model's; docs/numerics.md)."""
+    f, _, _ = row_exponents(w.scale, _nonzero_groups(w.packed))
+    return _pow2(f - 127)
 
 
 def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
