@@ -23,7 +23,6 @@ from gcmoe_gemm_sm90.prepack import (
     make_records,
     prepack_sm90,
     record_dd,
-    row_units_sm90,
     split_scales,
     unpack_sm90,
 )
@@ -40,24 +39,6 @@ def test_roundtrip_and_decode_model(e, m, k, gate_up):
     assert torch.equal(u.packed, w.packed) and torch.equal(u.scale, w.scale)
     assert torch.equal(decode_prepacked_reference(p), effective_weights_sm90(w))
     assert torch.equal(effective_weights_sm90(w), w.dequantize()) and p.lossy_groups == 0
-
-
-@pytest.mark.parametrize("spread", [0, 6, 14])
-def test_row_units_are_the_scale_the_kernel_applies_last(spread):
-    """row_units_sm90: per row the power of two the kernel multiplies its accumulator by after the last window, so
-    effective weights / row units are the E4M3 values it decodes (|v| <= 384 = 6 * 2^6, E4M3-exact); a row's unit is
-    2^(its largest group exponent - 6 - 127); the prepacked row scales hold the same values."""
-    g = torch.Generator().manual_seed(11 + spread)
-    w = random_mxfp4((2, 256, 256), g)
-    w.scale.copy_(torch.randint(100, 101 + spread, w.scale.shape, generator=g, dtype=torch.uint8))
-    ru = row_units_sm90(w)
-    assert ru.shape == (2, 256) and torch.equal(ru, torch.exp2(torch.log2(ru).round()))  # powers of two
-    decoded = effective_weights_sm90(w) / ru.unsqueeze(-1)
-    assert torch.equal(decoded, decoded.to(torch.float8_e4m3fn).float()) and decoded.abs().max() <= 384
-    ref = w.scale.to(torch.int32).amax(-1)  # (every group of these weights holds a non-zero code)
-    assert torch.equal(ru, torch.ldexp(torch.ones(2, 256), ref - 6 - 127))
-    _, rows_cta = split_scales(prepack_sm90(w))
-    assert torch.equal(rows_cta.sort(-1).values, ru.view(2, 1, 256).sort(-1).values)
 
 
 def test_scale_records_give_the_kernels_offsets_by_bytes():

@@ -269,15 +269,6 @@ def effective_weights_sm90(w: MXFP4Tensor) -> torch.Tensor:
     return (q.float() * _pow2(f - 127).view(e, m, 1, 1)).view(e, m, k)
 
 
-def row_units_sm90(w: MXFP4Tensor) -> torch.Tensor:
-    """fp32 [E, M]: each row's 2^(f - 127) (logical row order), the unit the sm90 kernel's fp32 accumulators hold a
-    row's output in until it multiplies them by it after their last window. A row's output therefore overflows fp32
-    in the kernel once |output| / 2^(f - 127) reaches 2^128, which is sooner than in true units wherever f < 127
-    (weights below 384: every real model's; docs/numerics.md)."""
-    f, _, _ = row_exponents(w.scale, _nonzero_groups(w.packed))
-    return _pow2(f - 127)
-
-
 def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
     """What the kernel's decode computes, replayed in torch from the prepacked bytes alone (bit-exact model of the
     register path: nibble selection, the pair table's entry at the record's offset, sign, row scale), in logical row
