@@ -134,6 +134,46 @@ def test_w1_then_w2_match_models(n_tile, routing, variant):
     assert calc_diff(out, ref) < 1e-3
 
 
+@pytest.mark.parametrize("variant", ["smem-scales", "split2", "4wg", "w2-half", "in-order"])
+def test_w2_rows_at_both_ends_of_the_range_match_the_model(variant):
+    """W2 rows of one expert's tiles whose outputs lie near 2^120 and near 2^-120 beside ordinary rows: each row as
+    the model's (all finite, calc_diff <= 1e-3; the kernels once held a row in units of its weights' 2^(f - 127) and
+    overflowed from about 2^120 on), and the ordinary rows bit for bit what they are without the extreme rows in
+    their tiles (the accumulators' unit depends on the tile's rows and tokens only by powers of two: docs/numerics.md).
+    """
+    cfg = grouped_config(16, variant)
+    routed = SMALL.replace(num_shared_experts=0)
+    x, ids, w, weights, _ = make_problem(Case(routed, 37, "one_expert", seed=11), device="cuda")
+    moe = MoESm90.from_weights(weights, cfg)
+    layout = group_rows(ids, SMALL.num_experts, 16)
+    acts = prepare_activations(x, w, layout, SMALL.top_k)
+    hq, hsT = emulate_w1(unpack_sm90(moe.w13), acts, layout)
+    model = unpack_sm90(moe.w2)
+    valid = layout.src_slot >= 0
+    base = emulate_w2(model, hq, hsT, layout, torch.zeros(ids.numel(), SMALL.hidden_size, device="cuda").bfloat16())
+    amax = base.float().abs().amax(1)[layout.src_slot.clamp(min=0).long()]  # each row's largest output
+    rows = valid.nonzero().flatten()
+    big, tiny = rows[0::3], rows[1::3]
+    scaled = hsT.clone()
+    scaled[:, big] *= torch.exp2(120 - torch.log2(amax[big]).floor())
+    scaled[:, tiny] *= torch.exp2(-120 - torch.log2(amax[tiny]).floor())
+
+    def run(h_scales):
+        out = torch.full((ids.numel(), SMALL.hidden_size), float("nan"), dtype=torch.bfloat16, device="cuda")
+        return w2(moe.w2, hq, h_scales, layout, out, cfg)
+
+    out = run(scaled)
+    ref = emulate_w2(model, hq, scaled, layout, torch.full_like(out, float("nan")))
+    slots = layout.src_slot[valid].long()
+    assert torch.isfinite(out[slots]).all(), "a row the model keeps finite overflowed"
+    for r in slots.tolist():
+        assert calc_diff(out[r], ref[r]) <= 1e-3, (r, calc_diff(out[r], ref[r]))
+    assert out[slots].float().abs().amax() >= 2.0**119, "no row reached the top of the range"
+    plain = run(hsT)
+    rest = layout.src_slot[rows[2::3]].long()
+    assert first_mismatch(out[rest], plain[rest]) == ""
+
+
 @pytest.mark.parametrize(
     ("model", "tokens"), [("deepseek-v4-flash", 1), ("deepseek-v4-flash", 32), ("glm-4.5", 8), ("deepseek-v3", 128)]
 )

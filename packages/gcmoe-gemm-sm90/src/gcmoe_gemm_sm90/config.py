@@ -156,10 +156,12 @@ def smem_bytes(cfg: Sm90Config, k: int, splits: int = 1, half: bool = False) -> 
     n, nw = cfg.n_tile, k // WINDOW_K
     rows = TILE_M // 2 if half else TILE_M
     stage = n * WINDOW_K + rows * WINDOW_K // 2 + rows * 2  # activation box, weights, scale records
-    red = 4 * n * (8 if half else 4 * cfg.warpgroups)  # the W1 epilogue's per-warp amax
+    warps = 8 if half else 4 * cfg.warpgroups
+    red = 4 * n * warps  # the W1 epilogue's per-warp amax
     # mbarriers, the decode's pair table, flags, amax, the N tile's activation scales and routing weights, the rows'
-    # scales, alignment
-    fixed = 16 * cfg.stages + LUT_PAIR_BYTES + 16 + red + 4 * nw * n + 4 * n + 4 * rows + 1024 + 128 + 16
+    # scales, the accumulators' unit (per-warp extrema, two pieces' t: kernel_grouped.tile_unit_bits), alignment
+    fixed = 16 * cfg.stages + LUT_PAIR_BYTES + 16 + red + 4 * nw * n + 4 * n + 4 * rows + 4 * (2 * warps + 2)
+    fixed += 1024 + 128 + 16
     fixed += 4 * 5 * 8 if cfg.stream_k else 4  # stream_k's table of a CTA's first 8 tiles
     fixed += 8 * n if half else 4  # W1 half pairs: the partner's column maxima of two pieces
     return fixed + cfg.stages * stage + 4 * max(1, (splits - 1) * n * 256)

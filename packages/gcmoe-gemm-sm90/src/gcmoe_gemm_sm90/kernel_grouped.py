@@ -37,7 +37,11 @@ table holds two k32 steps' tables, at the offset a mask of the rows' record word
 with A from registers and B (tokens) from the stage. Each window's WGMMAs accumulate into a window accumulator that
 is then promoted into the main accumulator with the tokens' activation scales (two-level FP32 accumulation, one FFMA
 per element; the N tile's scales of every window are staged in shared memory once, before its window loop); the rows'
-2^(f - 127) multiplies the main accumulator once, after the tile's (piece's) last window.
+2^(f - 127) multiplies the main accumulator once, after the tile's (piece's) last window. The accumulator's unit: the
+staged activation scales are multiplied by a power of two t per piece and the row scales divided by it (tile_unit_bits:
+t = the CTA's largest row scale, raised so that no staged scale underflows, at most 1) — the same bits wherever nothing
+over- or underflows, and the range of the true values (a row held in units of its 2^(f - 127), -14 .. -8 for real
+weights, overflowed up to 2^14 sooner than the reference).
 
 Per window: one unconditional wait_group(0) for the previous window, release + refill, promote; decode subtile 0, its
 WGMMAs; decode subtile 1 while those run (overlap), its WGMMAs. ptxas serialises every WGMMA (a wait after each) if a
@@ -156,6 +160,8 @@ WINDOW_K = 128
 TILE_M = 256
 LUT_PAIR_WORDS = LUT_PAIR_BYTES // 4  # the pair table (prepack.lut_pair_words): 256 entries of 16 bytes
 EPI_COLS = 4  # W2 epilogue: token columns whose output row addresses are loaded before their stores
+F32_ONE, F32_MIN_NORMAL, F32_INF = 0x3F800000, 0x00800000, 0x7F800000  # fp32 bit patterns of 1, 2^-126, +Inf
+F32_INV_POW2 = 254 << 23  # F32_INV_POW2 - bits(2^k) = bits(2^-k) for a normal power of two 2^k (|k| <= 126)
 SK_TABLE = 8  # stream_k: tiles per CTA whose coordinates are kept in shared memory (more: located per load)
 SIG_WORDS = 8  # by-value addresses: ring mode's INUSE, CGEN, OFFS, ERR, L1_FULL, W1_DONE; stream_k's partials, counters
 
@@ -252,7 +258,10 @@ class GroupedGemmSm90:
             red: cute.struct.MemRange[Float32, self.threads // 32 * self.n]
             ssx: cute.struct.MemRange[Float32, self.windows * self.n]
             srw: cute.struct.MemRange[Float32, self.n if self.is_w1 else 1]  # W1: the tile's routing weights
-            srs: cute.struct.MemRange[Float32, self.rows]  # the row scales of the CTA's rows
+            srs: cute.struct.MemRange[Float32, self.rows]  # the row scales of the CTA's rows, divided by the piece's t
+            # fp32 bits: each warp's largest row scale, each warp's smallest non-zero activation scale of the piece,
+            # t of the pieces by parity (a kilobyte more for the rows' own scales cost W1 at N 8 its 2 CTAs per SM)
+            sunit: cute.struct.MemRange[Int32, 2 * (self.threads // 32) + 2]
             # W1 half pairs: the partner's column maxima, [piece parity][token column] (written by the partner)
             xchg: cute.struct.MemRange[Float32, 2 * self.n if self.pair else 1]
             # stream_k: the CTA's first SK_TABLE tiles (expert x M tiles + M tile, first row, expert, N tile, M tile)
@@ -375,7 +384,9 @@ class GroupedGemmSm90:
 
         slut = st.lut.get_tensor(cute.make_layout(LUT_PAIR_WORDS))
         lut_at = slut.iterator.toint()  # (decode_subtile's vector loads)
-        srs = st.srs.get_tensor(cute.make_layout(self.rows))  # the row scales 2^(f - 127) of the CTA's rows
+        srs = st.srs.get_tensor(cute.make_layout(self.rows))  # the row scales 2^(f - 127) / t of the CTA's rows
+        sunit = st.sunit.get_tensor(cute.make_layout(2 * (self.threads // 32) + 2))  # (tile_unit_bits)
+        t_at = 2 * (self.threads // 32)  # sunit[t_at + piece % 2]: the piece's t (fp32 bits)
         sflag = st.flag.get_tensor(cute.make_layout(8))
         sred = st.red.get_tensor(cute.make_layout((n_tile, self.threads // 32)))  # [token column, warp]
         ssx_layout = cute.make_layout((nw, n_tile), stride=(n_tile, 1))
@@ -459,18 +470,23 @@ class GroupedGemmSm90:
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom)
+        rsv = Int32(0)
+        if cutlass.const_expr(not self.stream_k):
+            # the rows' scales 2^(f - 127) of the CTA's one tile, divided by each piece's t after its first barrier
+            # (held in registers over the loop, or their address, ptxas spilled at N 80 half tiles); loaded before the
+            # table's stores (after them, a round trip of its own)
+            rsv = self.load_row_scale(ws, e * self.m_tiles + mt, half_at, tidx)
         # the decode's pair table, by warp 0 (copied by every thread, or by the bulk-copy engine on an mbarrier, ptxas
         # spilled registers at N 80: gpt-oss' W2 with its bias)
         if tidx < 32:
             for i in cutlass.range_constexpr(LUT_PAIR_WORDS // 32):
                 slut[tidx + 32 * i] = lut[tidx + 32 * i]
-
         if cutlass.const_expr(not self.stream_k):
-            # the rows' scales 2^(f - 127) of the CTA's one tile, read after each piece's last window (ordered by the
-            # barriers below; held in registers over the loop, or their address, ptxas spilled at N 80 half tiles)
-            rsv = self.load_row_scale(ws, e * self.m_tiles + mt, half_at, tidx)
             if tidx < self.rows:
                 srs[tidx] = bits_to_f32(rsv)
+            self.warp_reduce_bits(rsv, True, sunit, warp_idx, lane)
+            if tidx == 0:
+                sunit[t_at + 1] = Int32(F32_ONE)  # srs holds the scales in units of t = 1 before the first piece
 
         b_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(b_smem_staged, (None, None, 0)))
         pipe = pipeline.PipelineTmaAsync.create(
@@ -594,15 +610,31 @@ class GroupedGemmSm90:
             rsp = Int32(0)
             if cutlass.const_expr(self.stream_k):  # (else every piece is of the CTA's tile: staged once, above)
                 rsp = self.load_row_scale(ws, pe * self.m_tiles + pmt, half_at, tidx)
+                self.warp_reduce_bits(rsp, True, sunit, warp_idx, lane)
+            sxmin = Int32(F32_INF)  # the smallest non-zero activation scale (NaN's bits are above +Inf's)
+            for r in cutlass.range_constexpr(nsx):
+                b = f32_to_bits(sxv[r])
+                if b != 0:
+                    sxmin = cutlass.min(sxmin, b)
+            self.warp_reduce_bits(sxmin, False, sunit, warp_idx, lane)
             cute.arch.barrier()
-            if cutlass.const_expr(self.stream_k):
-                if tidx < self.rows:
-                    srs[tidx] = bits_to_f32(rsp)
+            # the accumulators' unit: the activation scales times t, the row scales divided by it after the last window
+            tb = self.tile_unit_bits(sunit)
+            if tidx < self.rows:
+                # stream_k: the piece's tile's scales; else the CTA's one tile's, in units of the previous piece's t
+                # (rs / t_prev x t_prev / t: every factor a normal power of two, so exact)
+                rs = bits_to_f32(rsp)
+                if cutlass.const_expr(not self.stream_k):
+                    rs = srs[tidx] * bits_to_f32(sunit[t_at + (piece + 1) % 2])
+                srs[tidx] = rs * bits_to_f32(F32_INV_POW2 - tb)
+            if cutlass.const_expr(not self.stream_k):
+                if tidx == 0:  # (the slot of the piece before the last: read before its second barrier)
+                    sunit[t_at + piece % 2] = tb
             for r in cutlass.range_constexpr(nsx):
                 i = tidx + self.threads * r
                 if i < nw * n_tile:
                     wi = i // n_tile
-                    ssx[wi, i - wi * n_tile] = sxv[r]
+                    ssx[wi, i - wi * n_tile] = sxv[r] * bits_to_f32(tb)
             if cutlass.const_expr(self.is_w1):
                 if tidx < n_tile:
                     srw[tidx] = rwt
@@ -1181,9 +1213,43 @@ class GroupedGemmSm90:
         return v
 
     @cute.jit
+    def warp_reduce_bits(self, v: Int32, largest: cutlass.Constexpr, sunit: cute.Tensor, warp_idx: Int32, lane: Int32):
+        """The warp's largest (largest: sunit[warp]) or smallest (else: sunit[warps + warp]) of v, fp32 bits of
+        non-negative values (which order as their bits). Every thread of the warp calls it."""
+        at = warp_idx
+        if cutlass.const_expr(not largest):
+            at = self.threads // 32 + warp_idx
+        v = cute.arch.warp_redux_sync(v, "max" if largest else "min")  # (one REDUX instruction: sm_80+)
+        if lane == 0:
+            sunit[at] = v
+
+    @cute.jit
+    def tile_unit_bits(self, sunit: cute.Tensor) -> Int32:
+        """The bits of the piece's unit t (read after the barrier behind warp_reduce_bits): the CTA's largest row scale,
+        raised to 2^-149 / the piece's smallest non-zero activation scale, at most 1 (powers of two: exact). The
+        accumulators then hold a row in units of 2^(f - 127) / t, i.e. its true values times t / 2^(f - 127): at most
+        the tile's spread of row exponents above them, unless t was raised (a token of the piece with sx below
+        2^-149 / the largest row scale: activations at fp32's floor), no staged scale sx t underflows (sx t >= 2^-149)
+        and none grows (t <= 1)."""
+        warps = self.threads // 32
+        rmax = Int32(F32_MIN_NORMAL)
+        amin = Int32(F32_INF)
+        for i in cutlass.range_constexpr(warps):
+            rmax = cutlass.max(rmax, sunit[i])
+            amin = cutlass.min(amin, sunit[warps + i])
+        # amin = 2^e: its exponent field - 127, or for a subnormal (2^(j - 149)) j from the integer's own fp32 value
+        e = (amin >> 23) - 127
+        if amin < F32_MIN_NORMAL:
+            e = (f32_to_bits(Float32(amin)) >> 23) - 127 - 149
+        lo = Int32(0)  # the bits of 2^(-149 - e), where that is a normal number (else t's other bounds decide)
+        if -22 - e > 0:
+            lo = (-22 - e) << 23
+        return cutlass.min(cutlass.max(rmax, lo), Int32(F32_ONE))
+
+    @cute.jit
     def scale_rows(self, acc: cute.Tensor, srs: cute.Tensor, r0: Int32):
-        """acc *= 2^(f - 127) of its rows (r0 and r0 + 8 of the CTA's rows, scales in shared memory: srs): exact, a
-        power of two per row, once per piece after its last window."""
+        """acc *= 2^(f - 127) / t of its rows (r0 and r0 + 8 of the CTA's rows, the piece's scales in shared memory:
+        srs): exact, a power of two per row, once per piece after its last window."""
         for u in cutlass.range_constexpr(2):
             rs = srs[r0 + 8 * u]
             for i in cutlass.range_constexpr(cute.size(acc)):
