@@ -98,7 +98,7 @@ from gcmoe_core.device_ops import (
     st_v4,
     wait_until_eq,
 )
-from gcmoe_core.kernel_helpers import bits_to_f32, cvt_bf16x2, cvt_e4m3x2, f32_to_bits, fp8_pow2_exponent
+from gcmoe_core.kernel_helpers import F32_ONE, bits_to_f32, cvt_bf16x2, cvt_e4m3x2, f32_to_bits, fp8_pow2_exponent
 from gcmoe_core.signals import KIND_BUSY, KIND_READY, KIND_RECV
 
 from .comm import THREADS, WARPS
@@ -136,7 +136,6 @@ QUANT_BATCH = 16  # local dispatch: (row, group) items a warp loads before quant
 NSLOTS = 64  # the host's pinned staging slots of the argument block (slot path): in flight at once, at most
 SLOT_WORDS = 8  # int64 per argument block: x, ids, weights, out, T, ids are int64, -, -
 STATUS_WORDS = 16  # int32 host status: [0] SEQ done, [1:5] BAD of that call, [8:13] ERR
-ONE_F32 = 0x3F800000
 
 
 @dataclass(frozen=True)
@@ -345,7 +344,7 @@ class CommKernels:
         t = i // K
         j = i - t * K
         e = Int32(self.E) + j - KR
-        w = Int32(ONE_F32)
+        w = Int32(F32_ONE)
         if j < KR:
             w = wb
             e = Int32(e64)
@@ -636,7 +635,7 @@ class CommKernels:
                 r = kk // HS
                 _, t, j = self._row_src(own, ssrc, lb, r, row0 + r)
                 words.extend(self._load_group(x, t, kk - r * HS, lane))
-                w = Int32(ONE_F32)
+                w = Int32(F32_ONE)
                 if kk == r * HS and j < KR:  # a row's group 0 also stores its routing weight
                     w = ld_u32(wts + (Int64(t) * KR + j) * 4)
                 words.extend((w, t * K + j))

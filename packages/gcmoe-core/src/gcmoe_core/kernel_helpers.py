@@ -1,7 +1,7 @@
 """Small device helpers the CuTe DSL kernels of several packages share (imports CuTe DSL: kernel modules only).
 
 inline_ptx(ret, args, ...)     one inline PTX block (every kernel's inline assembly goes through it)
-bits_to_f32 / f32_to_bits      reinterpret 32 bits
+bits_to_f32 / f32_to_bits      reinterpret 32 bits (F32_ONE: the bits of 1.0)
 cvt_e4m3x2(hi, lo)             two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits
 cvt_bf16x2(hi, lo)             two fp32 -> two bf16 (RNE) in one 32-bit word, lo in the low half
 fmin_nan / fmax_nan(a, b)      min / max that return NaN when either operand is NaN (PTX min.NaN / max.NaN, sm_80+;
@@ -26,6 +26,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
 Int32, Float32 = cutlass.Int32, cutlass.Float32
+F32_ONE = 0x3F800000  # the fp32 bits of 1.0
 
 
 @dsl_user_op

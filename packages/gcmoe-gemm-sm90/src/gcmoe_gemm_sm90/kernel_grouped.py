@@ -126,6 +126,7 @@ from gcmoe_core.device_ops import (
     wait_until_eq,
 )
 from gcmoe_core.kernel_helpers import (
+    F32_ONE,
     bits_to_f32,
     bulk_copy_g2s,
     cvt_e4m3x2,
@@ -160,7 +161,7 @@ WINDOW_K = 128
 TILE_M = 256
 LUT_PAIR_WORDS = LUT_PAIR_BYTES // 4  # the pair table (prepack.lut_pair_words): 256 entries of 16 bytes
 EPI_COLS = 4  # W2 epilogue: token columns whose output row addresses are loaded before their stores
-F32_ONE, F32_MIN_NORMAL, F32_INF = 0x3F800000, 0x00800000, 0x7F800000  # fp32 bit patterns of 1, 2^-126, +Inf
+F32_MIN_NORMAL, F32_INF = 0x00800000, 0x7F800000  # fp32 bit patterns of 2^-126, +Inf (F32_ONE: 1)
 F32_INV_POW2 = 254 << 23  # F32_INV_POW2 - bits(2^k) = bits(2^-k) for a normal power of two 2^k (|k| <= 126)
 SK_TABLE = 8  # stream_k: tiles per CTA whose coordinates are kept in shared memory (more: located per load)
 SIG_WORDS = 8  # by-value addresses: ring mode's INUSE, CGEN, OFFS, ERR, L1_FULL, W1_DONE; stream_k's partials, counters
