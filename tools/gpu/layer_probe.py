@@ -20,12 +20,11 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import gcmoe
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import make_tokens, make_weights
-from gcmoe_core.timing import L2_FLUSHES, ColdL2, time_once
+from gcmoe_core.timing import L2_FLUSHES, ColdL2, kernel_runs, time_once
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--models", nargs="+", default=["deepseek-v3"])
@@ -59,26 +58,7 @@ def timeline(run, reps=3):
     """Kernels of `reps` cold-L2 runs: ((name, start, end) µs from the first kernel of the last run, the median span
     of a run (its first kernel's start to its last one's end), the median main-branch span (the first comm kernel's
     start to the run's last end))."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            flush()
-            torch.cuda.synchronize()
-            run()
-            torch.cuda.synchronize()
-    ks = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and "amax" not in e.name.lower()
-    )
-    runs, cur = [], []
-    for a, b, name in ks:  # the flush's kernels separate the runs
-        if any(k in name for k in flush.kernel_names):
-            if cur:
-                runs.append(cur)
-            cur = []
-            continue
-        cur.append((a, b, short(name)))
-    runs.append(cur)
+    runs = [[(a, b, short(n)) for a, b, n in r] for r in kernel_runs(run, flush, reps, skip=("amax",))]
     for r in runs:  # the grouped GEMMs in launch order: W1, then W2
         gemms = [i for i, (_, _, n) in enumerate(r) if n == "gemm"]
         for j, i in enumerate(gemms):

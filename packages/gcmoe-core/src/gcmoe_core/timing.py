@@ -76,6 +76,37 @@ def time_once(run: Callable[[], object], flush: Callable[[], object]) -> float:
     return a.elapsed_time(b) * 1e3
 
 
+def kernel_runs(
+    run: Callable[[], object], flush: ColdL2, reps: int = 3, skip: tuple[str, ...] = ()
+) -> list[list[tuple[float, float, str]]]:
+    """The GPU kernels of `reps` runs, each after `flush`, from the profiler: per run [(start µs, end µs, kernel
+    name)] in start order, the runs told apart by the flush's own kernels (flush.kernel_names); kernels whose
+    lowercased name contains one of `skip` are left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush()
+            torch.cuda.synchronize()
+            run()
+            torch.cuda.synchronize()
+    ks = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not any(k in e.name.lower() for k in skip)
+    )
+    runs, cur = [], []
+    for a, b, name in ks:
+        if any(k in name for k in flush.kernel_names):
+            if cur:
+                runs.append(cur)
+            cur = []
+            continue
+        cur.append((a, b, name))
+    runs.append(cur)
+    return runs
+
+
 def time_gpu(
     fn: Callable[[], object],
     iters: int = 50,

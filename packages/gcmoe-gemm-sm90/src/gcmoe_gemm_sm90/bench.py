@@ -24,7 +24,8 @@ Per point (CUDA-graph replay, cold L2, medians; variants interleaved A B C A B C
                    tile as the kernels run them) / the FP8 GEMM rate measured in this run (torch._scaled_mm, 8192^3)
 
 The stage ablations, the v4 register weight stream, three CTAs per SM, the decode's shifts on the FMA pipe and the
-per-CTA launch timelines were measured up to sm90-grouped-v7 (docs/benchmarks) and removed with their kernel switches.
+per-CTA launch timelines were measured up to sm90-grouped-v7 (docs/benchmarks) and removed with their kernel switches;
+the stage ablations again on 2026-12-03 from a patch (docs/gpu-runs/2026-12-03-c: ablate.patch, stages.py).
 """
 
 from __future__ import annotations
@@ -141,10 +142,21 @@ def fp8_gemm_rate(n: int = 8192) -> float:
     return 2 * n**3 / (t["median_us"] * 1e-6)
 
 
+def grid_rows_for(c, tokens: int, top_k: int, experts: int) -> int | None:
+    """The grid rows the operator launches for one rank's call of `tokens` tokens with configuration c at world size 1
+    and no shared expert (gcmoe.backends.sm90.Sm90Plan.grid_rows): with active-first rows, the experts the call can
+    bring rows to; else one per expert (None)."""
+    return min(experts, tokens * top_k) if c.active_first else None
+
+
 def kernels_for(moe: MoESm90, x, w, ids, mcfg: MoEConfig, c, out):
     """(run, layout): our W1 + W2 launches with configuration c on rows grouped and quantised for its N tile outside
-    (the compute partition's work), every operand made here once; run(w1_only=True) launches W1 alone. W2 stores row
-    i to out[layout.src_slot[i]] (a one-entry peer table: every row to "rank 0", out). The closure owns the rows and
+    (the compute partition's work), every operand made here once, with the grid rows the operator launches
+    (grid_rows_for: at one token per rank, one grid row per expert launched 4-5x the CTAs, whose empty ones queued
+    behind the working ones and held back W2's programmatic launch to W1's end — DeepSeek-V3 / V4-Flash at T = 1
+    1.12 / 1.16x slower than the operator's launch, H200, 2026-12-03,
+    docs/benchmarks/stage-ablations-h200-2026-12-03.md); run(w1_only=True) launches W1 alone. W2 stores row i to
+    out[layout.src_slot[i]] (a one-entry peer table: every row to "rank 0", out). The closure owns the rows and
     buffers: keep it alive as long as a graph captured from it."""
     layout = group_rows(ids, mcfg.num_experts, c.n_tile)
     acts = prepare_activations(x, w, layout, mcfg.top_k)
@@ -155,10 +167,12 @@ def kernels_for(moe: MoESm90, x, w, ids, mcfg: MoEConfig, c, out):
     comb = torch.tensor([out.data_ptr()], dtype=torch.int64, device=dev)
     offs, cnt = layout.offsets, layout.counts
 
+    rows = grid_rows_for(c, ids.shape[0], ids.shape[1], mcfg.num_experts)
+
     def run(w1_only=False):
-        launch_w1(moe.w13, acts.x_rows, acts.sxT, acts.route_w, offs, cnt, hq, hsT, c)
+        launch_w1(moe.w13, acts.x_rows, acts.sxT, acts.route_w, offs, cnt, hq, hsT, c, grid_rows=rows)
         if not w1_only:
-            launch_w2(moe.w2, hq, hsT, offs, cnt, layout.src_slot, src, comb, c)
+            launch_w2(moe.w2, hq, hsT, offs, cnt, layout.src_slot, src, comb, c, grid_rows=rows)
 
     return run, layout
 
