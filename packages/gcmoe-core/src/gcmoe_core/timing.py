@@ -1,5 +1,5 @@
-"""GPU timing the benchmarks share: CUDA-graph replay, cold L2, medians; the copy-bandwidth ceiling and the
-FP4 weight-streaming floor of a decode MoE layer.
+"""GPU timing the benchmarks share: CUDA-graph replay, cold L2, medians, kernel timelines (the profiler); the
+copy-bandwidth ceiling and the FP4 weight-streaming floor of a decode MoE layer.
 
     floor(T) = active_experts * 3 * H * I * (0.5 + 1/32) B / copy_bandwidth      (weights + UE8M0 scales)
 
