@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import multiprocessing as mp
 import statistics
@@ -41,8 +40,9 @@ SWEEP = "ablate"  # (main: --sweep)
 def configs(model: str, t: int):
     """{(placement, variant): Sm90Config} of a point and the slice's (hidden, inter). --sweep ablate: chosen and the
     two ablations; --sweep stream_k: chosen, W1 stream_k with the chosen stages (sk) and with with_splits' stages
-    (sk4: at most STREAM_K_STAGES, W2 too); with active-first rows, the chosen launches with the grid rows the layer
-    launches (rows) instead of one per expert."""
+    (sk4: at most STREAM_K_STAGES, W2 too); the whole GPU's configuration on 116 SMs where it differs (c132).
+    (Run c's `rows` variant — the operator's grid rows, before bench.kernels_for launched them itself — is gone with
+    that fix: every variant now launches them.)"""
     from gcmoe_core.config import MoEConfig
     from gcmoe_gemm_sm90.config import can_implement, with_splits
     from gcmoe_gemm_sm90.ops import layer_config
@@ -60,8 +60,6 @@ def configs(model: str, t: int):
         k132 = layer_config(t, cfg.top_k, cfg.num_experts, h, i, 0)
         if k132 != k:  # the whole GPU's configuration on the partition
             out[(place, "c132")] = k132
-        if k.active_first:  # the same launches with the layer's grid rows (measure: grid_rows_for)
-            out[(place, "rows")] = k
         if k.stream_k or k.splits[0] != 1:
             continue
         sk = dataclasses.replace(k, stream_k=True, w1_half=False)
@@ -109,34 +107,24 @@ def timeline(run, flush, reps: int = 3):
     return [(n, round(a - t0, 1), round(b - t0, 1)) for a, b, n in runs[-1]], round(statistics.median(spans), 1)
 
 
-def patched(run, c, sms: int, scratch, grid_rows: int | None):
+def with_scratch(run, c, sms: int, scratch):
     """bench.kernels_for's run, whose W1 gets a StreamKScratch and one CTA per SM slot where c is stream_k (the
-    benchmark's chosen configurations never are; the 116-SM one of DeepSeek-V3 / GLM-5 at T = 1 is), and whose W1 / W2
-    launch grid_rows grid rows where given."""
-    if not c.stream_k and grid_rows is None:
+    benchmark's chosen configurations never are; the 116-SM one of DeepSeek-V3 / GLM-5 at T = 1 is)."""
+    if not c.stream_k:
         return run
     from functools import partial
 
     import gcmoe_gemm_sm90.bench as bench
 
-    kw1 = dict(scratch=scratch, sk_ctas=c.occupancy * sms) if c.stream_k else {}
-    kw = {} if grid_rows is None else dict(grid_rows=grid_rows)
-
     def go(w1_only=False):
-        o1, o2 = bench.launch_w1, bench.launch_w2
-        bench.launch_w1, bench.launch_w2 = partial(o1, **kw1, **kw), partial(o2, **kw)
+        orig = bench.launch_w1
+        bench.launch_w1 = partial(orig, scratch=scratch, sk_ctas=c.occupancy * sms)
         try:
             run(w1_only)
         finally:
-            bench.launch_w1, bench.launch_w2 = o1, o2
+            bench.launch_w1 = orig
 
     return go
-
-
-def grid_rows_for(tokens: int, top_k: int, experts: int) -> int:
-    """The grid rows gcmoe's layer launches with active-first rows at world size 1 and no shared expert
-    (gcmoe.backends.sm90.Sm90Plan.grid_rows): the experts one call of `tokens` tokens can bring rows to."""
-    return min(experts, tokens * top_k)
 
 
 def measure(args) -> None:
@@ -168,7 +156,6 @@ def measure(args) -> None:
     recs = []
     tiny = torch.zeros(1024, device=dev)
     scratch = StreamKScratch.make(dev, n_tile_max=80)
-    has_rows = "grid_rows=rows" in inspect.getsource(kernels_for)
     for model in args.models:
         mcfg = MoEConfig.ep_slice(model, 8, max_tokens_per_rank=256, num_shared_experts=0)
         weights = make_weights(mcfg, seed=1, device="cuda")
@@ -191,10 +178,7 @@ def measure(args) -> None:
             keep, graphs = [], {}
             for (place, var), c in cs.items():
                 run, _ = kernels_for(moe, x, w, ids, mcfg, c, out)
-                # (kernels_for launches the operator's grid rows itself since the bench fix of this run: "rows" is
-                # then "chosen")
-                rows = grid_rows_for(t, mcfg.top_k, mcfg.num_experts) if var == "rows" and not has_rows else None
-                run = patched(run, c, 132 if place == "full" else part.compute_sms, scratch, rows)
+                run = with_scratch(run, c, 132 if place == "full" else part.compute_sms, scratch)
                 keep.append(run)
                 graphs[f"{place}_{var}"] = capture_graph(run, stream=streams[place])[0]
                 if var == "chosen":
