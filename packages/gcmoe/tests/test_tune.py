@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from gcmoe import policy as policy_mod
 from gcmoe import tune
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.testing import make_tokens, make_weights
@@ -120,49 +121,49 @@ def test_choose_policy_matches_the_rules(case):
 
 
 def test_policy_mode_for():
-    p = tune.Policy(16, 32, "test")
+    p = policy_mod.Policy(16, 32, "test")
     assert [p.mode_for(t) for t in (1, 32, 33, 256)] == [16, 16, 0, 0]
-    assert [tune.Policy(24, math.inf, "env").mode_for(t) for t in (1, 4096)] == [24, 24]
-    assert [tune.Policy(0, 0, "never").mode_for(t) for t in (1, 256)] == [0, 0]
+    assert [policy_mod.Policy(24, math.inf, "env").mode_for(t) for t in (1, 4096)] == [24, 24]
+    assert [policy_mod.Policy(0, 0, "never").mode_for(t) for t in (1, 256)] == [0, 0]
 
 
 def test_policy_precedence_env_over_cache_over_defaults(monkeypatch):
-    assert tune.policy(CFG, H200, SMS) == tune.Policy(0, 0, "default for NVIDIA H200")
-    other = tune.policy(CFG, "NVIDIA H100 80GB HBM3", SMS)
-    assert (other.comm_sms, other.unpartitioned_above) == tune.GENERIC_DEFAULT and "generic" in other.source
+    assert policy_mod.policy(CFG, H200, SMS) == policy_mod.Policy(0, 0, "default for NVIDIA H200")
+    other = policy_mod.policy(CFG, "NVIDIA H100 80GB HBM3", SMS)
+    assert (other.comm_sms, other.unpartitioned_above) == policy_mod.GENERIC_DEFAULT and "generic" in other.source
 
     fake_tune(CASES[0], device_name=H200)
-    path = tune.cache_path(CFG, H200)
+    path = policy_mod.cache_path(CFG, H200)
     assert path.exists() and path.parent.name == "tune"
-    assert tune.policy(CFG, H200, SMS) == tune.Policy(16, 32, f"tuned {path}")
+    assert policy_mod.policy(CFG, H200, SMS) == policy_mod.Policy(16, 32, f"tuned {path}")
     # another shape or device does not see it
-    assert tune.policy(MoEConfig.ep_slice("deepseek-v4-flash", 8), H200, SMS).source == "default for NVIDIA H200"
-    assert tune.policy(CFG, "NVIDIA H100 80GB HBM3", SMS).source.startswith("generic default")
+    assert policy_mod.policy(MoEConfig.ep_slice("deepseek-v4-flash", 8), H200, SMS).source == "default for NVIDIA H200"
+    assert policy_mod.policy(CFG, "NVIDIA H100 80GB HBM3", SMS).source.startswith("generic default")
 
     monkeypatch.setenv("GCMOE_COMM_SMS", "40")
-    assert tune.policy(CFG, H200, SMS) == tune.Policy(40, math.inf, "env GCMOE_COMM_SMS=40")
+    assert policy_mod.policy(CFG, H200, SMS) == policy_mod.Policy(40, math.inf, "env GCMOE_COMM_SMS=40")
     monkeypatch.setenv("GCMOE_COMM_SMS", "0")
-    p = tune.policy(CFG, H200, SMS)
+    p = policy_mod.policy(CFG, H200, SMS)
     assert (p.comm_sms, p.unpartitioned_above, p.mode_for(1)) == (0, 0, 0)
     monkeypatch.setenv("GCMOE_COMM_SMS", "")  # blank = unset
-    assert tune.policy(CFG, H200, SMS).source == f"tuned {path}"
+    assert policy_mod.policy(CFG, H200, SMS).source == f"tuned {path}"
 
 
 @pytest.mark.parametrize("raw", ["12", "-8", "124", "128", "132", "sixteen", "16.0"])
 def test_bad_env_value_names_the_variable_and_the_valid_sizes(monkeypatch, raw):
     monkeypatch.setenv("GCMOE_COMM_SMS", raw)
     with pytest.raises(ValueError, match=r"GCMOE_COMM_SMS.*valid: 0 \(no partition\) or 8\.\.120 in steps of 8"):
-        tune.policy(CFG, H200, SMS)
+        policy_mod.policy(CFG, H200, SMS)
 
 
 def test_env_accepts_the_largest_valid_size(monkeypatch):
     monkeypatch.setenv("GCMOE_COMM_SMS", "120")
-    assert tune.policy(CFG, H200, SMS).comm_sms == 120
+    assert policy_mod.policy(CFG, H200, SMS).comm_sms == 120
 
 
 def test_cache_round_trip_and_contents():
     res, _ = fake_tune(CASES[0], device_name=H200, label="deepseek-v3")
-    path = tune.cache_path(CFG, H200)
+    path = policy_mod.cache_path(CFG, H200)
     assert path.name == "h200-h7168-i2048-e32-k8-s1-ep1.json"
     assert json.loads(path.read_text()) == res
     assert res["key"] == {
@@ -191,11 +192,11 @@ def test_cache_round_trip_and_contents():
 )
 def test_bad_cache_file_warns_and_falls_back_to_the_default(corrupt):
     res, _ = fake_tune(CASES[0], device_name=H200)
-    path = tune.cache_path(CFG, H200)
+    path = policy_mod.cache_path(CFG, H200)
     path.write_text(corrupt(res))
     with pytest.warns(RuntimeWarning, match="ignoring the tuned partition policy"):
-        p = tune.policy(CFG, H200, SMS)
-    assert p == tune.Policy(0, 0, "default for NVIDIA H200")
+        p = policy_mod.policy(CFG, H200, SMS)
+    assert p == policy_mod.Policy(0, 0, "default for NVIDIA H200")
 
 
 def test_default_factory_builds_a_gcmoe_layer_per_comm_size():

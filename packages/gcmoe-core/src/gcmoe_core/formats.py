@@ -248,3 +248,9 @@ def quantize_fp8_rowwise(a: torch.Tensor, pow2: bool = False) -> tuple[torch.Ten
         s = torch.exp2(torch.ceil(torch.log2(s)))
     q = (a / s.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, s
+
+
+def fp4_layer_bytes(hidden: int, inter: int, active_experts: int) -> int:
+    """Weight + scale bytes a decode layer must stream: W13 and W2 of each active expert, MXFP4."""
+    elems = active_experts * 3 * hidden * inter
+    return elems // 2 + elems // 32

@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from .formats import fp4_layer_bytes
+
 
 def _l2_bytes(device: torch.device) -> int:
     return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 * 2**20))
@@ -186,12 +188,6 @@ def run_meta(**extra) -> dict:
         "cutlass_dsl": dsl_version(),
         **extra,
     }
-
-
-def fp4_layer_bytes(hidden: int, inter: int, active_experts: int) -> int:
-    """Weight + scale bytes a decode layer must stream: W13 and W2 of each active expert, MXFP4."""
-    elems = active_experts * 3 * hidden * inter
-    return elems // 2 + elems // 32
 
 
 def fp4_floor_us(hidden: int, inter: int, active_experts: int, bandwidth: float) -> float:

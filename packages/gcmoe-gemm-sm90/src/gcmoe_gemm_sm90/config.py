@@ -244,7 +244,7 @@ def choose_config(
     # flush; T = 2 at <= 280 MB (V4-Flash 159 MB, GLM-4.5) 1.03-1.05x / 0.98-1.01x; T = 2-64 above 300 MB (V3,
     # GLM-5) 0.97-1.00x in the write flush (0.99-1.02x read); T = 4 mixed (V4-Flash 1.03x / 1.00x write, 0.98x
     # read), so left off
-    from gcmoe_core.timing import fp4_layer_bytes
+    from gcmoe_core.formats import fp4_layer_bytes
 
     weight_bytes = fp4_layer_bytes(hidden, inter, active + shared)
     # W1 and W2 in half M tiles, two CTAs per SM, wherever a whole tile holds an SM alone (occupancy 1: N 32-80): one

@@ -43,147 +43,24 @@ from __future__ import annotations
 
 import gc
 import json
-import math
-import re
 import statistics
 import sys
-import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from gcmoe_core import env
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.reference import MoEWeights
-from gcmoe_greenctx.partition import device_facts, valid_comm_sizes
+from gcmoe_greenctx.partition import device_facts
 
-GRANULARITY = 8  # SMs per green-context split step on H100/H200 (minSmPartitionSize = smCoscheduledAlignment = 8)
+from .policy import GRANULARITY, cache_path, check_comm_sms, shape_key, slug  # noqa: F401  (the tuner writes what policy reads)
+
 TOKENS = (1, 8, 32, 128, 256)
 COMM_SIZES = (8, 16, 24, 32, 40, 48)
 CHOOSE_UP_TO = 32  # comm_sms is chosen on the T <= 32 points
 MIN_GAIN = 1.01  # the partition must be >= 1 % faster to be used at a T
 MODELS = ("deepseek-v3", "deepseek-v4-flash")
-
-# Measured (docs/benchmarks/partition-ablation-h200-2026-11-30.md, DeepSeek-V3 and V4-Flash EP8 slices, world size
-# 1): the best comm size over T <= 32 (8 SMs for both) was not faster than the unpartitioned layer at T = 1 (1.02x
-# and 1.00x the time); single cells within +-2 % either way (V3: 24 SMs 0.989x at T = 1, 8 SMs 0.983x at T = 8) are
-# run noise, and every size lost 6-31 % from T = 32 on. At world size 1 dispatch moves no bytes across GPUs, so there
-# is little to hide, while the GEMMs lose 8-22 % on the smaller compute partition (wave quantisation; the persistent
-# kernel of the sm90 v8 issue is what would let the partition pay).
-DEFAULTS: dict[str, tuple[int, int]] = {"NVIDIA H200": (0, 0)}
-GENERIC_DEFAULT = (0, 0)  # untuned devices: no partition until `gcmoe tune` measures one that pays
-
-
-@dataclass(frozen=True)
-class Policy:
-    """comm_sms: SMs of the comm partition (0 = never partition). unpartitioned_above: token count per rank above
-    which a call runs unpartitioned (math.inf = never). source: where the numbers came from."""
-
-    comm_sms: int
-    unpartitioned_above: float
-    source: str
-
-    def mode_for(self, tokens: int) -> int:
-        """Comm SMs for a call of `tokens` tokens per rank; 0 = unpartitioned."""
-        return 0 if tokens > self.unpartitioned_above else self.comm_sms
-
-
-def slug(text: str) -> str:
-    """'NVIDIA H200' -> 'h200' (for file names)."""
-    text = re.sub(r"^nvidia\s+", "", text.strip().lower())
-    return re.sub(r"[^a-z0-9]+", "-", text).strip("-")
-
-
-def shape_key(cfg: MoEConfig, device_name: str) -> dict:
-    """What a tuned policy depends on: the device and the layer shape one rank sees."""
-    return {
-        "device": device_name,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "local_experts": cfg.local_experts,
-        "top_k": cfg.top_k,
-        "num_shared_experts": cfg.num_shared_experts,
-        "ep_size": cfg.ep_size,
-    }
-
-
-def cache_path(cfg: MoEConfig, device_name: str) -> Path:
-    k = shape_key(cfg, device_name)
-    name = (
-        f"{slug(device_name)}-h{k['hidden_size']}-i{k['intermediate_size']}-e{k['local_experts']}-k{k['top_k']}"
-        f"-s{k['num_shared_experts']}-ep{k['ep_size']}"
-    )
-    return env.cache_dir() / "tune" / f"{name}.json"
-
-
-def _valid_sizes_text(sm_count: int | None) -> str:
-    if sm_count is None:
-        return f"0 (no partition) or a positive multiple of {GRANULARITY}"
-    sizes = valid_comm_sizes(sm_count, GRANULARITY)
-    if not sizes:
-        return f"0 (no partition; {sm_count} SMs cannot be split)"
-    return f"0 (no partition) or {sizes[0]}..{sizes[-1]} in steps of {GRANULARITY}"
-
-
-def check_comm_sms(comm_sms: int, sm_count: int | None, what: str) -> int:
-    """comm_sms if it is 0 or a valid comm partition size on a device of sm_count SMs (None: unknown), else
-    ValueError naming `what` and the valid sizes."""
-    if sm_count is None:
-        valid = isinstance(comm_sms, int) and comm_sms > 0 and comm_sms % GRANULARITY == 0
-    else:
-        valid = comm_sms in valid_comm_sizes(sm_count, GRANULARITY)
-    ok = type(comm_sms) is int and (comm_sms == 0 or valid)
-    if not ok:
-        device = f" on this device ({sm_count} SMs)" if sm_count is not None else ""
-        raise ValueError(
-            f"{what}: {comm_sms} SMs is not a valid comm partition size{device}; valid: {_valid_sizes_text(sm_count)}"
-        )
-    return comm_sms
-
-
-def _from_env(sm_count: int) -> Policy | None:
-    raw = env.get_optional("GCMOE_COMM_SMS")
-    if raw is None:
-        return None
-    try:
-        comm = int(raw)
-    except ValueError:
-        raise ValueError(f"GCMOE_COMM_SMS={raw!r} is not an integer; valid: {_valid_sizes_text(sm_count)}") from None
-    check_comm_sms(comm, sm_count, f"GCMOE_COMM_SMS={raw!r}")
-    return Policy(comm, math.inf if comm else 0, f"env GCMOE_COMM_SMS={comm}")
-
-
-def _from_cache(cfg: MoEConfig, device_name: str, sm_count: int) -> Policy | None:
-    path = cache_path(cfg, device_name)
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-        if data["key"] != shape_key(cfg, device_name):
-            raise ValueError(f"it was tuned for {data['key']}")
-        pol = data["policy"]
-        comm, above = check_comm_sms(pol["comm_sms"], sm_count, "comm_sms"), pol["unpartitioned_above"]
-        if not isinstance(above, int) or above < 0:
-            raise ValueError(f"unpartitioned_above must be an int >= 0, got {above!r}")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        warnings.warn(f"gcmoe: ignoring the tuned partition policy {path}: {e}", RuntimeWarning, stacklevel=3)
-        return None
-    return Policy(comm, above, f"tuned {path}")
-
-
-def policy(cfg: MoEConfig, device_name: str, sm_count: int) -> Policy:
-    """The partition policy for a layer of this shape on this device: GCMOE_COMM_SMS, else the tuned cache file,
-    else the device's default, else the generic default (see the module docstring)."""
-    found = _from_env(sm_count) or _from_cache(cfg, device_name, sm_count)
-    if found is not None:
-        return found
-    comm, above = DEFAULTS.get(device_name, GENERIC_DEFAULT)
-    source = f"default for {device_name}" if device_name in DEFAULTS else f"generic default ({device_name} not tuned)"
-    if comm and comm not in valid_comm_sizes(sm_count, GRANULARITY):
-        return Policy(0, 0, f"{source}: {sm_count} SMs cannot give it {comm} comm SMs")
-    return Policy(comm, above, source)
 
 
 def choose_policy(tokens: Sequence[int], times_us: dict[int, Sequence[float]]) -> tuple[int, int]:

@@ -134,7 +134,7 @@ class Sm90Plan:
     the plan makes its own (symmetric for ep_size > 1)."""
 
     def __init__(self, cfg: MoEConfig, tensors, device: torch.device, options: LayerOptions, workspace=None):
-        from .. import tune
+        from .. import policy as tune_policy
 
         self.cfg, self.device, self.options = cfg, device, options
         self.moe = _weights(cfg, tensors, options)
@@ -142,10 +142,10 @@ class Sm90Plan:
         props = torch.cuda.get_device_properties(device)
         self.sm_count = props.multi_processor_count
         if options.comm_sms is None:
-            self.policy = tune.policy(cfg, props.name, self.sm_count)
+            self.policy = tune_policy.policy(cfg, props.name, self.sm_count)
         else:
-            c = tune.check_comm_sms(options.comm_sms, self.sm_count, "gcmoe: MoELayer(comm_sms=...)")
-            self.policy = tune.Policy(c, math.inf if c else 0, f"MoELayer(comm_sms={c})")
+            c = tune_policy.check_comm_sms(options.comm_sms, self.sm_count, "gcmoe: MoELayer(comm_sms=...)")
+            self.policy = tune_policy.Policy(c, math.inf if c else 0, f"MoELayer(comm_sms={c})")
         self.timeout_ms = options.timeout_ms
         self.group = options.group
         self._workspace = workspace
