@@ -184,45 +184,10 @@ class Sm90Plan:
         return self.moe.config_for(bucket, self.cfg.top_k)
 
     def first_row_expert(self) -> int:
-        """The ring expert of the W1 / W2 grids' first row: the shared experts first (ring experts E/P .. E/P + S -
-        1): each has every token of the rank, the most rows (N-tile passes) of any expert from T = 16 on; in expert
-        order they launched last and ran their extra passes after every other CTA had finished (the layer
-        1.04-1.21x faster at T = 32-256 on DeepSeek-V3 / V4-Flash / GLM-5, H200, 2026-12-01; running each shared
-        expert's N tiles in CTAs of their own on top of this measured 0.99-1.01x: not kept)."""
-        return self.spec.local_experts if self.spec.shared else 0
-
-    @staticmethod
-    def experts_reached(spec, bucket: int, calls: int = 1) -> int:
-        """The ring experts `calls` calls of up to `bucket` tokens can bring rows to: their routed ids (at most the
-        local experts) + the shared experts."""
-        return min(spec.ring_experts, min(spec.local_experts, calls * bucket * spec.top_k) + spec.shared)
+        return first_row_expert(self.spec)
 
     def grid_rows(self, bucket: int, kcfg, comm_sms: int = 0) -> int | None:
-        """The W1 / W2 grid rows of a bucket with active-first rows (None, one row per ring expert, without): the
-        ring experts a call of this rank can bring rows to — its own bucket x top_k routed ids (at most the local
-        experts) + the shared experts — or, at P > 1, as many as one wave of CTAs fills (the SM slots of the
-        compute SMs over the CTAs per row of the larger of W1 / W2), at most the bound of every rank calling with
-        this bucket (P x bucket x top_k). A call whose experts with rows outnumber the grid rows is still run whole: the
-        kernels' CTAs go on to rows y + R while they find experts with rows (gcmoe_gemm_sm90.kernel_grouped: Grid).
-
-        Why not the P-rank bound itself: under even routing a rank receives about its own call's rows from all
-        ranks together, so most of the P-rank bound's rows stay idle, and where W1 runs more CTAs than SM slots the
-        idle ones wait for a slot and hold back W2's launch. On one GPU with a P = 2 rank's 129 ring experts and
-        one rank's work (H200, 2026-12-01, tools/gpu/split_sweep.py --sweep grid --ep 2, plan_p2 vs rows_p2,
-        docs/benchmarks/grid-policy-h200-2026-12-01.md): V4-Flash T = 1 / 4 / 8 50.7 / 100.4 / 155.2 us with this
-        rule vs 58.0 / 107.5 / 176.4 with the P = 2 bound, DeepSeek-V3 T = 2 / 4 / 8 123.7 / 181.0 / 330.0 vs 134.0 /
-        198.0 / 369.4 (V4-Flash T = 2, V3 T = 1 equal; two layers of one grid differ by up to 5 % in such a run). At
-        P = 1 the rule is the old bound."""
-        from gcmoe_gemm_sm90.config import TILE_M
-
-        s = self.spec
-        if not kcfg.active_first:
-            return None
-        own, every = Sm90Plan.experts_reached(s, bucket), Sm90Plan.experts_reached(s, bucket, s.ranks)
-        c = self.cfg
-        ctas_per_row = max(2 * c.intermediate_size // TILE_M * kcfg.splits[0], c.hidden_size // TILE_M * kcfg.splits[1])
-        one_wave = kcfg.occupancy * (self.sm_count - comm_sms) // ctas_per_row
-        return min(every, max(own, one_wave))
+        return grid_rows(self.cfg, self.spec, bucket, kcfg, self.sm_count, comm_sms)
 
     # -- LayerPlan
     def forward(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
@@ -611,6 +576,41 @@ def ring_kernel_config(kcfg):
     """A bucket's kernel configuration as the layer launches it: ring mode beside gcmoe-comm's dispatch, whose ring
     blocks are 8 rows (tools/gpu/precompile.py compiles these ahead of a layer)."""
     return replace(kcfg, ring=True, ring_bm=8)
+
+
+def first_row_expert(spec) -> int:
+    """The ring expert of the W1 / W2 grids' first row: the shared experts (ring experts E/P .. E/P + S - 1) when
+    there are any. Each has every token of the rank, so from T = 16 on it has the most rows (N-tile passes) of any
+    expert; launched last, its extra passes would run after every other CTA had finished."""
+    return spec.local_experts if spec.shared else 0
+
+
+def experts_reached(spec, bucket: int, calls: int = 1) -> int:
+    """The ring experts `calls` calls of up to `bucket` tokens can bring rows to: their routed ids (at most the local
+    experts) + the shared experts."""
+    return min(spec.ring_experts, min(spec.local_experts, calls * bucket * spec.top_k) + spec.shared)
+
+
+def grid_rows(cfg: MoEConfig, spec, bucket: int, kcfg, sm_count: int, comm_sms: int = 0) -> int | None:
+    """The W1 / W2 grid rows of a bucket with active-first rows (None, one row per ring expert, without): the ring
+    experts a call of this rank can bring rows to (its own bucket x top_k routed ids, at most the local experts, + the
+    shared experts) or, at P > 1, as many as one wave of CTAs fills (the SM slots of the compute SMs over the CTAs per
+    row of the larger of W1 / W2), at most the bound of every rank calling with this bucket (P x bucket x top_k). A
+    call whose experts with rows outnumber the grid rows still runs whole: the kernels' CTAs go on to rows y + R while
+    they find experts with rows (gcmoe_gemm_sm90.kernel_grouped: Grid).
+
+    Why not the P-rank bound itself: under even routing a rank receives about its own call's rows from all ranks
+    together, so most of the P-rank bound's rows stay idle, and where W1 runs more CTAs than SM slots the idle ones
+    wait for a slot and hold back W2's launch (measured: the grid-policy record, docs/benchmarks/index.md). At P = 1
+    the two bounds are equal."""
+    from gcmoe_gemm_sm90.config import TILE_M
+
+    if not kcfg.active_first:
+        return None
+    own, every = experts_reached(spec, bucket), experts_reached(spec, bucket, spec.ranks)
+    ctas_per_row = max(2 * cfg.intermediate_size // TILE_M * kcfg.splits[0], cfg.hidden_size // TILE_M * kcfg.splits[1])
+    one_wave = kcfg.occupancy * (sm_count - comm_sms) // ctas_per_row
+    return min(every, max(own, one_wave))
 
 
 def _buckets(max_tokens: int) -> list[int]:
