@@ -10,8 +10,8 @@ above a block's opening fence says what else it needs (words combine: `<!-- docs
 A chain is a block and the `continue` blocks after it, run in order in one namespace; its gpu / multiprocess blocks
 are compiled and passed over (a later block that needs their names must be marked too), and a chain with nothing
 to run here is reported as skipped. Nothing else skips a block, and the pages must hold at least MIN_RUNNABLE
-blocks that run, so the test cannot pass by running nothing. docs/benchmarks and docs/gpu-runs are records, not
-examples: not read.
+blocks that run, so the test cannot pass by running nothing. docs/benchmarks holds records, not examples: not
+read.
 """
 
 from __future__ import annotations

@@ -61,6 +61,14 @@ class _FakeStream:
         pass
 
 
+class _FakeOwned:
+    def __init__(self, device):
+        self.stream = _FakeStream()
+
+    def close(self):
+        pass
+
+
 def _fake_cuda(monkeypatch, facts):
     from types import SimpleNamespace
 
@@ -68,7 +76,7 @@ def _fake_cuda(monkeypatch, facts):
 
     monkeypatch.setattr(part.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(part.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(part.torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr("gcmoe_greenctx.streams.OwnedStream", _FakeOwned)
     monkeypatch.setattr(part.torch.cuda, "device", lambda d: __import__("contextlib").nullcontext())
     monkeypatch.setattr(part.torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(part, "device_facts", lambda d: facts)

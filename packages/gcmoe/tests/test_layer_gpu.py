@@ -9,7 +9,8 @@
 - P ranks (virtual, one GPU): bit-exact against the same kernels at world size 1 holding every expert, eagerly and
   over 1,000 replays of one captured step with the routing swapped each time; a dead peer -> CommError within the
   bound, exact again after recover();
-- placement: inside a caller's capture the layer's roles run on their green-context partitions (%smid probe);
+- placement: inside a caller's capture the layer's roles run on their green-context partitions (%smid probe
+  recorded beside the role nodes);
 - teardown: a dropped layer frees its lanes at once; one torn down by the GC inside a capture leaves it valid.
 """
 
@@ -87,7 +88,7 @@ def test_eager_captured_compiled_and_comm_sizes_are_bit_identical():
     # the shared expert's W1 prefetched into L2 beside the comm kernels (on by default at T = 1) changes no value
     assert len(layers[0].packed.plan.lane(torch.cuda.current_stream()).prefetch_ranges) == 2  # its weights, scales
     plain = _layer(weights=weights, comm_sms=0)[0]
-    plain.packed.plan.l2_prefetch = False
+    plain.packed.plan.lane(torch.cuda.current_stream()).prefetch = None  # (the test drops the side branch)
     x1, ids1, w1 = _tokens(CFG, 1, "uniform", 6)
     assert first_mismatch(plain(x, ids, w), want) == ""
     assert first_mismatch(plain(x1, ids1, w1), layers[0](x1, ids1, w1)) == ""
@@ -323,25 +324,41 @@ def test_world_size_one_on_symmetric_memory_is_bit_identical(tmp_path):
 
 
 @pytest.mark.sm90
-def test_roles_keep_their_partitions_inside_a_callers_capture():
-    from gcmoe_greenctx import split_device
+def test_roles_keep_their_partitions_inside_a_callers_capture(monkeypatch):
+    """The %smid probe kernel recorded beside the dispatch and finalize roles (the test wraps the role nodes the
+    backend hands to gcmoe_greenctx.enqueue_roles) lands on disjoint SM sets of the lane's partition sizes."""
+    import gcmoe_greenctx
+    from gcmoe_greenctx.kernel_smid import record_smids
 
     layer, _ = _layer(seed=14, comm_sms=16)
     x, ids, w = _tokens(CFG, 8, "uniform", 8)
-    part = split_device(16)
     s = torch.cuda.Stream()
-    lane = layer.packed.plan.lane(s)
+    with torch.cuda.stream(s):
+        want = layer(x, ids, w)  # the lane of s and its 16-SM split made, every kernel loaded
+    torch.cuda.synchronize()
+    part = layer.packed.plan.lane(s).partitions[16]
     comm_ids = torch.full((4 * part.comm_sms,), -1, dtype=torch.int32, device="cuda")
     comp_ids = torch.full((4 * part.compute_sms,), -1, dtype=torch.int32, device="cuda")
-    from gcmoe_greenctx.kernel_smid import record_smids
-
     record_smids(comm_ids, 1_000)  # the probe kernel loaded before the capture, as the layer's own kernels are
     torch.cuda.synchronize()
-    lane.probe = (comm_ids, comp_ids)
+    plain_enqueue = gcmoe_greenctx.enqueue_roles
+
+    def probed(p, roles, overlap, streams=None):
+        def dispatch():
+            roles.dispatch()
+            record_smids(comm_ids, 20_000)
+
+        def finalize():
+            roles.finalize()
+            record_smids(comp_ids, 20_000)
+
+        plain_enqueue(p, gcmoe_greenctx.RoleNodes(dispatch, roles.compute, finalize), overlap, streams)
+
+    monkeypatch.setattr(gcmoe_greenctx, "enqueue_roles", probed)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
         y = layer(x, ids, w)
-    lane.probe = None
+    monkeypatch.undo()
     comm_ids.fill_(-1), comp_ids.fill_(-1)
     g.replay()
     torch.cuda.synchronize()
@@ -349,7 +366,7 @@ def test_roles_keep_their_partitions_inside_a_callers_capture():
     assert -1 not in a and -1 not in b
     assert not a & b, "comm and compute roles shared SMs inside the caller's graph"
     assert len(a) <= part.comm_sms and len(b) <= part.compute_sms
-    assert first_mismatch(y, layer(x, ids, w)) == ""
+    assert first_mismatch(y, want) == ""
 
 
 @pytest.mark.sm90
@@ -411,11 +428,10 @@ def test_a_dropped_layer_frees_its_lanes_at_once():
 @pytest.mark.sm90
 def test_a_layer_torn_down_during_a_capture_does_not_invalidate_it(monkeypatch):
     """A layer held in a reference cycle is freed by the cyclic GC, which may run inside a capture (forced here): its
-    lanes' resources are parked until the next call outside a capture instead of being destroyed in it (found
-    2026-11-30: captures failed with cudaErrorStreamCaptureInvalidated after earlier layers became garbage)."""
+    lanes release their graphs, streams, green contexts and buffers in relaxed capture mode, which must leave the
+    capture valid (destroying them in the default global mode invalidated it: cudaErrorStreamCaptureInvalidated)."""
     import gc
-
-    from gcmoe.backends import sm90
+    import weakref
 
     if hasattr(torch.compiler.config, "force_cudagraph_gc"):  # (torch.cuda.graph would collect before capturing)
         monkeypatch.setattr(torch.compiler.config, "force_cudagraph_gc", False)
@@ -426,6 +442,7 @@ def test_a_layer_torn_down_during_a_capture_does_not_invalidate_it(monkeypatch):
         x, ids, w = _tokens(CFG, 6, "uniform", 32)
         old(x, ids, w)  # a lane with its bucket graph
         torch.cuda.synchronize()
+        lanes = [weakref.ref(lane) for lane in old.packed.plan._lanes.values()]
         cycle = [old]
         cycle.append(cycle)
         del old, cycle
@@ -437,12 +454,11 @@ def test_a_layer_torn_down_during_a_capture_does_not_invalidate_it(monkeypatch):
             y = layer(x, ids, w)
     finally:
         gc.enable()
-    assert sm90._RETIRED, "the torn-down lanes' resources should be parked"
+    assert lanes and all(r() is None for r in lanes), "the dropped layer's lanes were torn down inside the capture"
     y.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
     assert first_mismatch(y, layer(x, ids, w)) == ""
-    assert not sm90._RETIRED, "the next call outside a capture releases them"
 
 
 @pytest.mark.sm90
@@ -480,3 +496,39 @@ def test_model_shaped_layers_match_the_reference():
         layer.check()
         del layer, seq
         torch.cuda.empty_cache()
+
+
+@pytest.mark.sm90
+def test_a_hundred_layer_step_captures_on_the_default_capture_stream_after_an_eager_warm_up():
+    """An engine's shape: N pre-norm residual MoE blocks warmed up eagerly on one stream, then the whole step captured
+    with torch.cuda.graph's own capture stream (drawn from torch's stream pool, like every stream a layer used to
+    take for itself: past ~32 layers a layer's "new" stream was the capturing one, and its synchronisation broke the
+    capture). The replayed step equals the eager step, bit for bit, with new inputs."""
+    layers_n, t = 100, 4
+    cfg = MoEConfig(256, 128, 8, 2, num_shared_experts=1, max_tokens_per_rank=8)
+    base = make_weights(cfg, 40, "cuda")
+    layers = [gcmoe.MoELayer(cfg, "cuda", "sm90").load(base) for _ in range(layers_n)]
+    routes = [_tokens(cfg, t, "uniform", 400 + i)[1:] for i in range(layers_n)]
+    x = torch.randn(t, cfg.hidden_size, dtype=torch.bfloat16, device="cuda")
+
+    def step(h):
+        for layer, (ids, w) in zip(layers, routes):
+            h = h + layer(torch.nn.functional.rms_norm(h, (cfg.hidden_size,)), ids, w)
+        return h
+
+    warm = torch.cuda.Stream()
+    with torch.cuda.stream(warm):
+        want = step(x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = step(x)
+    for i in range(3):
+        x.copy_(torch.randn_like(x))
+        with torch.cuda.stream(warm):
+            want = step(x)
+        torch.cuda.synchronize()
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(want).all() and first_mismatch(y, want) == "", f"replay {i}"

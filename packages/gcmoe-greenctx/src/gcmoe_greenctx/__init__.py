@@ -1,6 +1,7 @@
-"""gcmoe-greenctx: SM partitions with CUDA Green Contexts, their streams, and captured layer graphs."""
+"""gcmoe-greenctx: SM partitions with CUDA Green Contexts and their streams, streams a component owns, set-up outside
+a caller's capture, and a layer's role nodes (fork / join) to enqueue or capture."""
 
-from .graph import LayerGraph, LayerGraphCache, RoleNodes, enqueue_roles
+from .graph import RoleNodes, enqueue_roles
 from .partition import (
     GreenContextError,
     Partition,
@@ -8,25 +9,25 @@ from .partition import (
     SplitPlan,
     device_facts,
     plan_split,
-    release,
     split_device,
     valid_comm_sizes,
 )
+from .streams import OwnedStream, capturing, relaxed_capture
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GreenContextError",
-    "LayerGraph",
-    "LayerGraphCache",
+    "OwnedStream",
     "Partition",
     "RoleNodes",
     "SmFacts",
     "SplitPlan",
+    "capturing",
     "device_facts",
     "enqueue_roles",
     "plan_split",
-    "release",
+    "relaxed_capture",
     "split_device",
     "valid_comm_sizes",
 ]

@@ -4,16 +4,16 @@
     part   = split_device(comm_sms=16)        # green contexts: comm = a structured group, compute = the remainder
     with torch.cuda.stream(part.comm_stream): ...     # kernels launched here run on the comm SMs only
     part   = split_device(16, mode="unpartitioned")   # same interface: two ordinary streams on the whole GPU
-    comm, compute = part.new_streams()                 # one more stream pair on the same two partitions
+    part.close()                                       # its green contexts and streams destroyed (or when dropped)
 
 Design
 - Sizes are requested in SMs and rounded UP to the device's split granularity (smCoscheduledAlignment, at least
   minSmPartitionSize; 8 and 8 on H100/H200). The comm partition is the structured group the driver returns from
   cuDevSmResourceSplitByCount; the compute partition is the remainder (132 - 16 = 116 SMs on an H200), which keeps
   every SM busy. `plan_split` does the arithmetic in pure Python so the rules are tested on a CPU.
-- One Partition per (device, comm size), created on first request and shared: asking again returns the same one.
-  Splits of different sizes may coexist (their SM sets then overlap: a tuner or a benchmark comparing sizes holds
-  several); `release(device)` destroys every split of the device.
+- A Partition belongs to whoever asked for it (a layer's lane, a benchmark): each split_device call makes green
+  contexts of its own, destroyed by close() or when the Partition is dropped (also during a caller's capture:
+  streams.relaxed_capture). Splits of different sizes may coexist; their SM sets then overlap.
 - Isolation: on drivers with CUDA >= 13.1 each green context also gets a workqueue config (sharing scope
   GREEN_CTX_BALANCED, concurrency limit 1) so the two partitions do not share hardware work queues. Older drivers
   (the H200 here: driver 580 = CUDA 13.0) reject it; we warn once and go on with SM partitioning alone.
@@ -23,7 +23,6 @@ Design
 
 from __future__ import annotations
 
-import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
@@ -150,32 +149,31 @@ class Partition:
     facts: SmFacts
     workqueue_isolated: bool = False
     _handles: list = field(default_factory=list, repr=False)  # green contexts and streams to destroy
-    _contexts: tuple = field(default=(), repr=False)  # (comm, compute) green contexts: more streams on them
+    _owned: list = field(default_factory=list, repr=False)  # unpartitioned mode: its OwnedStreams
 
-    def new_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        """Another (comm, compute) stream pair on this split's two partitions (ordinary streams when unpartitioned):
-        each user that needs its own stream order (a layer's lane per caller stream) takes one."""
-        if self.mode != "green":
-            with torch.cuda.device(self.device):
-                return torch.cuda.Stream(), torch.cuda.Stream()
-        drv = _driver()
-        out = []
-        for gctx in self._contexts:
-            stream = _check(
-                drv.cuGreenCtxStreamCreate(gctx, drv.CUstream_flags.CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate"
-            )
-            with _LOCK:
-                self._handles.insert(len(self._contexts), ("stream", stream))  # destroyed before the contexts
-            out.append(torch.cuda.get_stream_from_external(int(stream), self.device))
-        return out[0], out[1]
+    def close(self) -> None:
+        """Destroy this split's streams and green contexts (work already enqueued still completes). Graphs captured on
+        its streams must not be replayed afterwards."""
+        owned, self._owned = self._owned, []
+        for s in owned:
+            s.close()
+        if self._handles:
+            from .streams import relaxed_capture
+
+            try:
+                with relaxed_capture():
+                    _destroy(self._handles)
+            except Exception:  # (interpreter shutdown: the driver may be gone already)
+                pass
+
+    def __del__(self):
+        self.close()
 
     def describe(self) -> str:
         wq = "workqueue-isolated" if self.workqueue_isolated else "shared workqueues"
         return f"{self.mode}: comm {self.comm_sms} SMs | compute {self.compute_sms} SMs ({wq})"
 
 
-_LOCK = threading.Lock()
-_SPLITS: dict[tuple[int, int], Partition] = {}
 _WARNED_WQ = False
 
 
@@ -202,14 +200,13 @@ def _workqueue_resource(dev):
     return res
 
 
-def _green_stream(dev, resources: list, device: int, handles: list, contexts: list) -> torch.cuda.Stream:
+def _green_stream(dev, resources: list, device: int, handles: list) -> torch.cuda.Stream:
     drv = _driver()
     desc = _check(drv.cuDevResourceGenerateDesc(resources, len(resources)), "cuDevResourceGenerateDesc")
     gctx = _check(
         drv.cuGreenCtxCreate(desc, dev, drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM), "cuGreenCtxCreate"
     )
     handles.append(("ctx", gctx))
-    contexts.append(gctx)
     stream = _check(
         drv.cuGreenCtxStreamCreate(gctx, drv.CUstream_flags.CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate"
     )
@@ -242,7 +239,6 @@ def _create_green(device: int, plan: SplitPlan, facts: SmFacts) -> Partition:
             f"requested {plan.comm_sms}-SM comm partition"
         )
     handles: list = []
-    contexts: list = []
     wq = None
     if facts.workqueue_config:
         try:
@@ -254,17 +250,16 @@ def _create_green(device: int, plan: SplitPlan, facts: SmFacts) -> Partition:
     try:
         extra = [wq] if wq is not None else []
         try:
-            comm_stream = _green_stream(dev, [comm_res, *extra], device, handles, contexts)
-            compute_stream = _green_stream(dev, [remaining, *extra], device, handles, contexts)
+            comm_stream = _green_stream(dev, [comm_res, *extra], device, handles)
+            compute_stream = _green_stream(dev, [remaining, *extra], device, handles)
         except GreenContextError as e:
             if not extra:
                 raise
             _warn_workqueue_once(str(e))  # e.g. CUDA_ERROR_INVALID_RESOURCE_TYPE (914) on a CUDA 13.0 driver
             _destroy(handles)
-            contexts.clear()
             wq = None
-            comm_stream = _green_stream(dev, [comm_res], device, handles, contexts)
-            compute_stream = _green_stream(dev, [remaining], device, handles, contexts)
+            comm_stream = _green_stream(dev, [comm_res], device, handles)
+            compute_stream = _green_stream(dev, [remaining], device, handles)
     except BaseException:
         _destroy(handles)
         raise
@@ -278,7 +273,6 @@ def _create_green(device: int, plan: SplitPlan, facts: SmFacts) -> Partition:
         facts,
         wq is not None,
         handles,
-        tuple(contexts),
     )
 
 
@@ -293,11 +287,13 @@ def _destroy(handles: list) -> None:
 
 
 def split_device(comm_sms: int = 16, device: int | None = None, mode: Mode = "green") -> Partition:
-    """The device's partition pair (created once per device; same sizes return the same object).
+    """A new partition pair of the device, owned by the caller (close() or drop it to destroy it).
 
     mode 'green' needs green-context support and raises GreenContextError otherwise; 'auto' falls back to
-    'unpartitioned' (with a warning) where green contexts are unavailable; 'unpartitioned' gives two ordinary
-    streams on the whole GPU with the same interface (sizes then report the full SM count for both)."""
+    'unpartitioned' (with a warning) where green contexts are unavailable; 'unpartitioned' gives two streams of its
+    own on the whole GPU with the same interface (sizes then report the full SM count for both)."""
+    from .streams import OwnedStream
+
     if mode not in ("green", "unpartitioned", "auto"):
         raise ValueError(f"mode must be 'green', 'unpartitioned' or 'auto', got {mode!r}")
     if not torch.cuda.is_available():
@@ -312,24 +308,9 @@ def split_device(comm_sms: int = 16, device: int | None = None, mode: Mode = "gr
                 stacklevel=2,
             )
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        with torch.cuda.device(device):
-            return Partition(device, "unpartitioned", sms, sms, torch.cuda.Stream(), torch.cuda.Stream(), facts)
+        owned = [OwnedStream(device), OwnedStream(device)]
+        return Partition(device, "unpartitioned", sms, sms, owned[0].stream, owned[1].stream, facts, _owned=owned)
     if not facts.green_contexts:
         raise GreenContextError(f"green contexts unavailable on device {device}: {facts.reason}")
     plan = plan_split(comm_sms, facts.sm_count, facts.min_partition_size, facts.coscheduled_alignment)
-    with _LOCK:
-        have = _SPLITS.get((device, plan.comm_sms))
-        if have is None:
-            have = _SPLITS[(device, plan.comm_sms)] = _create_green(device, plan, facts)
-        return have
-
-
-def release(device: int) -> None:
-    """Destroy every split of the device (synchronising it first). Graphs captured on its streams must not be
-    replayed afterwards, and layers holding its streams must not be called."""
-    with _LOCK:
-        parts = [_SPLITS.pop(k) for k in [k for k in _SPLITS if k[0] == device]]
-    if parts:
-        torch.cuda.synchronize(device)
-    for part in parts:
-        _destroy(part._handles)
+    return _create_green(device, plan, facts)

@@ -14,8 +14,8 @@ Valid comm sizes: 0, or a multiple of the split granularity (8 SMs on H100 / H20
 compute: 8 .. sm_count - 8.
 
 Defaults: no partition on the H200 and on untuned devices. At world size 1 dispatch moves no bytes across GPUs, so
-the comm partition has nothing to hide while the GEMMs lose SMs (measured: the partition-ablation record in
-docs/benchmarks); a device gets a partition once the tuner measures one that pays.
+the comm partition has nothing to hide while the GEMMs lose SMs (measured: docs/benchmarks/index.md, Partition
+ablation); a device gets a partition once the tuner measures one that pays.
 """
 
 from __future__ import annotations

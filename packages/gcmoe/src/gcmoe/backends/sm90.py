@@ -1,8 +1,9 @@
-"""The sm90 backend: one layer = gcmoe-comm's publish / dispatch and finalize kernels around gcmoe-gemm-sm90's W1 / W2
-on two green-context partitions, replayed as a captured role graph per token bucket. This module owns the layer's
-pipeline (the component packages export kernels only).
+"""The sm90 backend: one layer = gcmoe-comm's publish / dispatch and finalize kernels around gcmoe-gemm-sm90's W1 / W2,
+in order on the caller's stream or, where the partition policy (gcmoe.policy) gives the bucket comm SMs, on two
+green-context partitions; replayed as a captured role graph per token bucket. This module owns the layer's pipeline
+(the component packages export kernels only).
 
-    call on rank r, T tokens (T <= max_tokens_per_rank), bucket = the power of two >= T:
+    call on rank r, T tokens (T <= max_tokens_per_rank), bucket = the power of two >= T, partitioned:
 
       caller stream ──fork──┬─ comm partition:    publish (FP8 x, routing + shared slots, READY) ─► dispatch (ring)
                             └─ compute partition: W1 (waits OFFS, each block's L1_FULL) ─► W2 (scatter to the source
@@ -12,35 +13,30 @@ pipeline (the component packages export kernels only).
     The shared experts ride the ring as local experts E/P .. E/P + S - 1 of every rank, fed from its own tokens (the
     design's fourth node, fused into W1 / W2 instead of a fifth and sixth launch).
     At T = 1 (bucket 1), beside publish and dispatch on a side branch forked from the caller's stream and joined
-    back at the end: the shared experts' W1 weights prefetched into L2 (gcmoe_gemm_sm90.ops.prefetch_l2; every call
-    reads them, and HBM idles while the comm kernels' latency chains run). The layer 1.04x faster at T = 1 for
-    DeepSeek-V3 and GLM-5 with L2 full of dirty lines (a write flush; 1.01x V4-Flash), 0.99-1.01x with clean ones,
-    0.98-1.00x at T = 8 / 32, so bucket 1 only (H200, 2026-12-01, tools/gpu/split_sweep.py --sweep l2_prefetch,
-    docs/benchmarks/l2-hint-h200-2026-12-01.md; Sm90Plan.l2_prefetch switches it off). Prefetching the routed
-    experts' first W1 windows, W2's first windows, or warming either by loads: 0.57-1.02x, not kept
-    (docs/benchmarks/l2-warm-h200-2026-12-01.md). Remeasured 2026-12-02 (w1-start-h200-2026-12-02.md): 1.06x / 1.11x
-    for DeepSeek-V3 / GLM-5 with the write flush, most of it from the second half of the ranges (the shared expert's
-    last W1 tiles: stream_k's last, on W1's last-launched CTAs; gcmoe_gemm_sm90.kernel_prefetch); the shared experts'
-    W2 added 0.91-0.96x, 4 / 16 / 32 CTAs instead of 8 not better on every shape.
+    back at the end: the shared experts' W1 weights prefetched into L2 (gcmoe_gemm_sm90.ops.prefetch_l2). Every call
+    reads them, and HBM idles while the comm kernels' latency chains run; what counts is the second half of the
+    ranges (the shared expert's last W1 tiles, which W1's last-launched CTAs read). Measured faster at one token and
+    neutral from two on, so bucket 1 only (measured: docs/benchmarks/index.md, L2 prefetch and hint).
     comm_sms = 0 for the bucket (the tuned policy above its token threshold, or MoELayer(comm_sms=0)): the same five
     kernels on the caller's stream, in order.
 
-Resources (all owned by the plan; none module-global but what a torn-down lane parks, see teardown):
+Resources (all owned by the plan and its lanes; nothing module-global):
     lane       one per caller stream (created on that stream's first call, also under capture: relaxed capture mode
                on a private stream): its workspace (Workspace.virtual for P = 1, Workspace.symmetric for P > 1 or
                when a process group is given: collective, so P > 1 layers make their one lane at load), CommRank,
-               W1 output buffers, its own stream pair on each partition, the pinned argument staging slots and
-               status words, the device argument block, and one captured graph per token bucket. Every kernel is
-               loaded into each CUDA context it launches in (the caller's, and each green partition's: module loads
-               are lazy per context) before a capture could record its first launch there. Calls on two
+               W1 output buffers, its own green-context split per comm size it runs, the pinned argument staging
+               slots and status words, the device argument block, and one captured graph per token bucket. Every
+               kernel is loaded into each CUDA context it launches in (the caller's, and each green partition's:
+               module loads are lazy per context) before a capture could record its first launch there. Calls on two
                streams never share a workspace; two captures replayed at once on one lane are refused on the device
                (ERR kind BUSY -> CommError), never silently mixed.
     teardown   a lane refers to its plan weakly (no reference cycle): a dropped layer frees its lanes at once, not
-               whenever the cyclic GC runs, which can be inside someone's capture, where destroying CUDA graphs,
-               streams and buffers invalidates that capture (seen 2026-11-30 on the H200: a capture failed with
-               cudaErrorStreamCaptureInvalidated right after earlier tests' layers became garbage). A lane torn down
-               all the same while the current stream captures (its layer was held in a caller's cycle) parks its
-               resources in _RETIRED; the next layer call outside a capture releases them.
+               whenever the cyclic GC runs. A lane dropped while some stream captures (its layer was held in a
+               caller's cycle and the GC ran inside an engine's capture) releases its graphs, streams and partitions
+               in relaxed capture mode (gcmoe_greenctx.relaxed_capture), which leaves the caller's capture valid.
+    streams    every stream the plan or a lane uses for itself (set-up under a capture, the L2 prefetch branch, bucket
+               graph capture, partitions) is its own (gcmoe_greenctx.OwnedStream), never one from torch's pool, which
+               past 32 objects can hand out the very stream a caller is capturing.
     eager call the call's pointers and T written to the next pinned staging slot, one async copy of it into the
                device argument block, then the bucket's graph replayed: no kernel is launched from Python and
                nothing is captured per call (~45 µs of host time, GPU-bound when called back to back).
@@ -75,6 +71,7 @@ from cuda.bindings import driver as _driver
 from gcmoe_comm.workspace import CommError, bad_input_message, error_message
 from gcmoe_core.config import MoEConfig, check_call_values
 from gcmoe_core.reference import MoEWeights, combine_slots
+from gcmoe_greenctx import capturing, relaxed_capture
 
 from . import LayerOptions, cuda_missing, kernel_package_missing
 
@@ -158,12 +155,27 @@ class Sm90Plan:
                     "(init_process_group, then MoELayer(..., group=...) or the world group)"
                 )
             self.group = dist.group.WORLD
-        # the shared experts' W1 weights into L2 beside the comm kernels (see the module docstring); False: not
-        # (an A/B switch for tools/gpu/split_sweep.py; read when a call is enqueued or a bucket graph captured)
-        self.l2_prefetch = True
+        self._setup = None  # OwnedStream for set-up work under a caller's capture (outside_capture)
         self._lanes: dict[int, Lane] = {}
         self._lock = threading.Lock()
         self.lane(torch.cuda.current_stream(device))  # the load stream's lane: kernels loaded, (P > 1) rendezvous
+
+    @contextlib.contextmanager
+    def outside_capture(self):
+        """Allocate and initialise (a lane, a partition, a kernel load) also while the caller's stream is being
+        captured: relaxed capture mode for this thread and the plan's own set-up stream, drained before the block
+        ends, so the memsets and kernel loads are not recorded into the caller's graph."""
+        if not torch.cuda.is_current_stream_capturing():
+            yield
+            return
+        from gcmoe_greenctx import OwnedStream
+
+        with relaxed_capture():
+            if self._setup is None:
+                self._setup = OwnedStream(self.device)
+            with torch.cuda.stream(self._setup.stream):
+                yield
+                self._setup.stream.synchronize()
 
     # -- lanes
     def lane(self, stream: torch.cuda.Stream) -> Lane:
@@ -195,8 +207,6 @@ class Sm90Plan:
         lane = self.lane(stream)
         if torch.cuda.is_current_stream_capturing():
             return lane.enqueue_captured(x, topk_ids, topk_weights)
-        if _RETIRED:
-            _RETIRED.clear()  # (outside a capture) the resources of lanes torn down during one
         return lane.call(x, topk_ids, topk_weights, check_values, stream)
 
     def check(self) -> None:
@@ -225,10 +235,6 @@ class Sm90Plan:
         }
 
 
-# what lanes torn down during a capture held, released by the next layer call outside one (module docstring: teardown)
-_RETIRED: list[dict] = []
-
-
 class Lane:
     """One caller stream's resources (see the module docstring)."""
 
@@ -237,14 +243,14 @@ class Lane:
         from gcmoe_comm.kernels import NSLOTS, SLOT_WORDS, STATUS_WORDS
         from gcmoe_comm.workspace import SIG_ERR, Workspace
         from gcmoe_core.signals import ERR_WARMUP
+        from gcmoe_greenctx import OwnedStream
 
         self.plan = weakref.proxy(plan)  # (the plan holds its lanes: no cycle, see the module docstring)
         cfg, spec, dev = plan.cfg, plan.spec, plan.device
         self.nslots = NSLOTS
-        self.probe = None  # tests: (comm, compute) int32 tensors the %smid probe fills beside the roles
         # normal tensors even when the lane is made under torch.inference_mode (an engine's warm-up): its buffers are
         # written in place by later calls and by recover(), which may run outside it
-        with _outside_capture(dev), torch.inference_mode(False):
+        with plan.outside_capture(), torch.inference_mode(False):
             if workspace is not None:
                 self.ws = workspace
             elif cfg.ep_size > 1 or plan.group is not None:
@@ -277,7 +283,8 @@ class Lane:
             self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=True)
             self._slots_np, self._status_np = self.slots.numpy(), self.status.numpy()
             self.seq = 0  # slot calls issued
-            self.streams: dict[int, tuple] = {}  # comm SMs -> (split, this lane's stream pair on it)
+            self.partitions: dict = {}  # comm SMs -> this lane's green-context split (gcmoe_greenctx.Partition)
+            self.capture_stream = OwnedStream(dev)  # where the bucket graphs are captured
             self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
             self.comm.load()  # every comm kernel loaded before the first cross-rank wait
             # warm-up signal words (_load_gemms, _partition): zeros with ERR = WARMUP, never written by a kernel
@@ -290,11 +297,11 @@ class Lane:
             from gcmoe_gemm_sm90.ops import prefetch_l2
 
             self.prefetch_ranges = plan.moe.shared_w1_ranges()[:MAX_RANGES]
-            self.prefetch_stream = torch.cuda.Stream(device=dev) if self.prefetch_ranges else None
-            if self.prefetch_ranges:
-                with torch.cuda.stream(self.prefetch_stream):
+            self.prefetch = OwnedStream(dev) if self.prefetch_ranges else None
+            if self.prefetch is not None:
+                with torch.cuda.stream(self.prefetch.stream):
                     prefetch_l2(self.prefetch_ranges)
-                self.prefetch_stream.synchronize()
+                self.prefetch.stream.synchronize()
         if cfg.ep_size > 1:
             # every bucket's GEMMs compiled and loaded and its graph captured before the first cross-rank wait too (a
             # rank that compiles a new shape for seconds, or synchronises its device to capture a graph, while its
@@ -310,11 +317,10 @@ class Lane:
     def __del__(self):
         """(see the module docstring: teardown)"""
         try:
-            capturing = torch.cuda.is_current_stream_capturing()
+            with relaxed_capture():
+                self.__dict__.clear()
         except Exception:  # (interpreter shutdown)
-            return
-        if capturing:
-            _RETIRED.append(dict(self.__dict__))  # keeps the graphs, streams and buffers alive past this capture
+            pass
 
     # -- kernels
     def _ring_sync(self, ticket: int, base: int | None = None):
@@ -357,38 +363,38 @@ class Lane:
         """Compile + load one bucket's W1 / W2 (once per configuration and placement) by launching them on signal
         words of their own, a scratch copy whose ERR says WARMUP: they return at once and touch nothing a call in
         flight uses, so this is legal at any time, under a caller's capture too (where a first launch would load the
-        module inside the capture, and the load's synchronisation invalidates it: found 2026-11-30, a masked layer
-        first called inside a capture). Module loads are lazy per CUDA context and a green context is a context of
-        its own: with comm_sms, on the partition's compute stream too (made here if new)."""
+        module inside the capture, and the load's synchronisation would invalidate it). Module loads are lazy per
+        CUDA context and a green context is a context of its own: with comm_sms, on the partition's compute stream
+        too (made here if new)."""
         kcfg = ring_kernel_config(kcfg)
         if (kcfg, comm_sms) in self._loaded:
             return
         warm = self._warm_signals.data_ptr()
-        with _outside_capture(self.plan.device):
+        with self.plan.outside_capture():
             self._gemms(kcfg, 1, signals=warm)
             if comm_sms:
-                _, (_, compute) = self._partition(comm_sms)
-                if not _capturing(compute):  # (a stream of this lane already forked into the caller's capture)
+                compute = self._partition(comm_sms).compute_stream
+                if not capturing(compute):  # (a stream of this lane already forked into the caller's capture)
                     with torch.cuda.stream(compute):
                         self._gemms(kcfg, 1, comm_sms, signals=warm)
                     compute.synchronize()  # nothing uncaptured left on a stream a capture may fork next
         self._loaded.add((kcfg, comm_sms))
 
     def _partition(self, comm_sms: int):
-        """(the device's split of comm_sms SMs, this lane's own stream pair on it), made outside any capture, with
-        every comm kernel loaded into both partitions' contexts (see _load_gemms)."""
-        if comm_sms not in self.streams:
+        """This lane's split of comm_sms SMs (its own green contexts), made outside any capture, with every comm kernel
+        loaded into both partitions' contexts (see _load_gemms)."""
+        part = self.partitions.get(comm_sms)
+        if part is None:
             from gcmoe_greenctx import split_device
 
-            with _outside_capture(self.plan.device):
+            with self.plan.outside_capture():
                 part = split_device(comm_sms, self.plan.device.index, mode="auto")
-                streams = part.new_streams()
-                for s in streams:
+                for s in (part.comm_stream, part.compute_stream):
                     with torch.cuda.stream(s):
                         self.comm.load(self._warm_signals.data_ptr())
                     s.synchronize()
-                self.streams[comm_sms] = (part, streams)
-        return self.streams[comm_sms]
+                self.partitions[comm_sms] = part
+        return part
 
     def _enqueue(self, bucket: int, ticket: int, publish, out: torch.Tensor | None):
         """The kernels of one call as role nodes (gcmoe_greenctx.enqueue_roles): publish + dispatch on this lane's
@@ -400,35 +406,24 @@ class Lane:
         plan = self.plan
         kcfg = ring_kernel_config(plan.kernel_config(bucket))
         status = 0 if out is not None else self.status.data_ptr()
-        probe = self.probe  # tests: %smid of each role's stream, recorded beside the roles
-        if probe is not None:
-            from gcmoe_greenctx.kernel_smid import record_smids
-
         comm_sms = plan.policy.mode_for(bucket)
         # grids for the bucket: dispatch a CTA per ring block it can fill (on a partition: 2 per comm SM at most),
         # finalize a thread per 16 output bytes
         dispatch_ctas = self.comm.dispatch_grid(bucket, 2 * comm_sms or None)
         finalize_ctas = self.comm.finalize_grid(bucket)
 
-        def dispatch():
-            publish(dispatch_ctas)
-            if probe is not None:
-                record_smids(probe[0], 20_000)
-
-        def finalize():
-            self.comm.finalize(out, status=status, ctas=finalize_ctas)
-            if probe is not None:
-                record_smids(probe[1], 20_000)
-
         rows = plan.grid_rows(bucket, kcfg, comm_sms)
-        roles = RoleNodes(dispatch, lambda: self._gemms(kcfg, ticket, comm_sms, rows=rows), finalize)
+        roles = RoleNodes(
+            lambda: publish(dispatch_ctas),
+            lambda: self._gemms(kcfg, ticket, comm_sms, rows=rows),
+            lambda: self.comm.finalize(out, status=status, ctas=finalize_ctas),
+        )
         with self._prefetch_beside(bucket):
             if comm_sms == 0:
                 for role in (roles.dispatch, roles.compute, roles.finalize):
                     role()
                 return
-            part, streams = self._partition(comm_sms)
-            enqueue_roles(part, roles, overlap=True, streams=streams)
+            enqueue_roles(self._partition(comm_sms), roles, overlap=True)
 
     @contextlib.contextmanager
     def _prefetch_beside(self, bucket: int):
@@ -436,19 +431,19 @@ class Lane:
         stream, forked from the current stream before the call's kernels and joined back after them (a graph branch
         under a capture). The prefetch only reads the weights, which no call writes: it changes when bytes reach L2,
         never a value."""
-        if not (self.plan.l2_prefetch and self.prefetch_ranges and bucket <= L2_PREFETCH_MAX_BUCKET):
+        if self.prefetch is None or bucket > L2_PREFETCH_MAX_BUCKET:
             yield
             return
         from gcmoe_gemm_sm90.ops import prefetch_l2
 
-        here = torch.cuda.current_stream(self.plan.device)
-        self.prefetch_stream.wait_stream(here)
-        with torch.cuda.stream(self.prefetch_stream):
+        here, side = torch.cuda.current_stream(self.plan.device), self.prefetch.stream
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
             prefetch_l2(self.prefetch_ranges)
         try:
             yield
         finally:
-            here.wait_stream(self.prefetch_stream)
+            here.wait_stream(side)
 
     # -- the captured path (inside a caller's capture): by-value arguments
     def enqueue_captured(self, x, topk_ids, topk_weights) -> torch.Tensor:
@@ -479,8 +474,7 @@ class Lane:
             comm_sms = self.plan.policy.mode_for(bucket)
             self._load_gemms(self.plan.kernel_config(bucket), comm_sms)  # compile + load outside the capture
             g = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream(device=self.plan.device)
-            with torch.cuda.graph(g, stream=side):
+            with torch.cuda.graph(g, stream=self.capture_stream.stream):
                 self._enqueue(bucket, ticket, publish, None)
             self.graphs[bucket] = g
         return g
@@ -574,7 +568,7 @@ def virtual_ranks(cfg: MoEConfig, weights: MoEWeights, device: torch.device, opt
 
 def ring_kernel_config(kcfg):
     """A bucket's kernel configuration as the layer launches it: ring mode beside gcmoe-comm's dispatch, whose ring
-    blocks are 8 rows (tools/gpu/precompile.py compiles these ahead of a layer)."""
+    blocks are 8 rows (the lab's precompile step compiles these ahead of a layer)."""
     return replace(kcfg, ring=True, ring_bm=8)
 
 
@@ -601,7 +595,7 @@ def grid_rows(cfg: MoEConfig, spec, bucket: int, kcfg, sm_count: int, comm_sms: 
 
     Why not the P-rank bound itself: under even routing a rank receives about its own call's rows from all ranks
     together, so most of the P-rank bound's rows stay idle, and where W1 runs more CTAs than SM slots the idle ones
-    wait for a slot and hold back W2's launch (measured: the grid-policy record, docs/benchmarks/index.md). At P = 1
+    wait for a slot and hold back W2's launch (measured: docs/benchmarks/index.md, Grid policy). At P = 1
     the two bounds are equal."""
     from gcmoe_gemm_sm90.config import TILE_M
 
@@ -615,53 +609,6 @@ def grid_rows(cfg: MoEConfig, spec, bucket: int, kcfg, sm_count: int, comm_sms: 
 
 def _buckets(max_tokens: int) -> list[int]:
     return [1 << i for i in range(token_bucket(max_tokens).bit_length())]
-
-
-_INIT_STREAMS: dict[int, torch.cuda.ExternalStream] = {}
-
-
-def _init_stream(device: torch.device) -> torch.cuda.ExternalStream:
-    """A stream of our own for lane set-up under a capture, made by the runtime, never drawn from torch's stream pool
-    (torch.cuda.Stream() cycles through 32 pooled streams per device, so a "new" one can be the very stream being
-    captured, whose synchronisation then invalidates the caller's capture: seen 2026-11-30). Per device, only ever
-    used inside _outside_capture, where it is drained before use ends: it carries no state between layers."""
-    s = _INIT_STREAMS.get(device.index)
-    if s is None:
-        from cuda.bindings import runtime as cudart
-
-        with torch.cuda.device(device):
-            err, handle = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
-        if err != cudart.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"gcmoe: creating a set-up stream on {device} failed: {err}")
-        s = _INIT_STREAMS[device.index] = torch.cuda.ExternalStream(int(handle), device=device)
-    return s
-
-
-def _capturing(stream: torch.cuda.Stream) -> bool:
-    """Whether `stream` is part of a capture now (any capture, not just the current stream's)."""
-    err, status = _driver.cuStreamIsCapturing(_driver.CUstream(stream.cuda_stream))
-    if err != _driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"gcmoe: cuStreamIsCapturing failed: {err}")
-    return status != _driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
-
-
-@contextlib.contextmanager
-def _outside_capture(device: torch.device):
-    """Allocate and initialise a lane also while the caller's stream is being captured: relaxed capture mode for
-    this thread and a stream that is not the captured one (_init_stream), so the memsets and kernel loads are not
-    recorded into the caller's graph."""
-    if not torch.cuda.is_current_stream_capturing():
-        yield
-        return
-    from cuda.bindings import runtime as cudart
-
-    _, prev = cudart.cudaThreadExchangeStreamCaptureMode(cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
-    try:
-        with torch.cuda.stream(_init_stream(device)):
-            yield
-            torch.cuda.current_stream(device).synchronize()
-    finally:
-        cudart.cudaThreadExchangeStreamCaptureMode(prev)
 
 
 # ------------------------------------------------------------------------------------------- the emulated plan
