@@ -2,28 +2,30 @@
 Dispatch (the ring) and combine (finalize's output) bit-exact against gcmoe_core's multi-rank reference and the
 stand-in expert's direct computation, for uniform, skewed, empty-rank and idle-rank routing; 1,000 graph replays with
 changing routing; a dead peer turns into a CommError naming rank, counter and generation within the bound, and the
-next call after recovery is exact."""
+next call after recovery is exact. The shared expert rides the ring, as the layer's do."""
 
 import time
 
 import pytest
 import torch
+from virtual_ranks import ROUTINGS, VirtualRanks, check_ring, expected_outputs, make_inputs
 
 from gcmoe_comm.ring import RingSpec
-from gcmoe_comm.testing import ROUTINGS, check_ring, expected_outputs, make_inputs
-from gcmoe_comm.virtual import VirtualRanks
 from gcmoe_comm.workspace import SIG_GEN, CommError, Workspace
 from gcmoe_core.formats import quantize_fp8_e4m3_1x128
-from gcmoe_core.testing import make_routing
-from gcmoe_core.timing import capture_graph
+from gcmoe_core.testing import capture_graph, make_routing
 
 pytestmark = pytest.mark.gpu
 
 H, E, K, S, TMAX, BM = 1024, 16, 4, 1, 32, 8
 
 
+def _spec(p, tmax=TMAX):
+    return RingSpec(p, E // p, H, K, tmax, BM, S)
+
+
 def _inputs(p, routing, seed):
-    return make_inputs(p, routing, seed, H, E, K, TMAX, S)
+    return make_inputs(p, routing, seed, H, E, K, TMAX)
 
 
 def _check_rings(wss, xs, ids, weights, gen):
@@ -35,14 +37,14 @@ def _outs(xs):
     return [torch.full_like(x, float("nan")) for x in xs]
 
 
-def _step_exactly(vr, xs, ids, ws, shared, gen):
+def _step_exactly(vr, xs, ids, ws, gen):
     """One call on every virtual rank (call `gen` since the last reset): no error, every ring and combine exact."""
     outs = _outs(xs)
-    vr.step(xs, ids, ws, outs, shared)
+    vr.step(xs, ids, ws, outs)
     torch.cuda.synchronize()
     vr.check()
     _check_rings(vr.ws, xs, ids, ws, gen=gen)
-    for r, (y, want) in enumerate(zip(outs, expected_outputs(xs, ids, ws, shared))):
+    for r, (y, want) in enumerate(zip(outs, expected_outputs(vr.spec, xs, ids, ws))):
         assert torch.equal(y, want), f"rank {r}: combine differs in {(y != want).sum().item()} elements"
 
 
@@ -52,11 +54,10 @@ def _step_exactly(vr, xs, ids, ws, shared, gen):
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_virtual_ranks_bit_exact(p, fused, routing):
     """P = 1 runs publish + dispatch as the layer does (one kernel, straight from x) and as the two kernels."""
-    spec = RingSpec(p, E // p, H, K, TMAX, BM)
-    vr = VirtualRanks(spec, "cuda", fused=fused, dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=2000)
+    vr = VirtualRanks(_spec(p), "cuda", fused=fused, dispatch_ctas=4, finalize_ctas=4, timeout_ms=2000)
     for call in range(1, 4):  # fresh routing each call; generations 1..3 without any reset
-        xs, ids, ws, shared = _inputs(p, routing, seed=10 * p + call)
-        _step_exactly(vr, xs, ids, ws, shared, gen=call)
+        xs, ids, ws = _inputs(p, routing, seed=10 * p + call)
+        _step_exactly(vr, xs, ids, ws, gen=call)
 
 
 @pytest.mark.parametrize("p, tokens", [(1, [256]), (1, [197]), (2, [256, 131]), (4, [64, 250, 0, 97])])
@@ -67,11 +68,10 @@ def test_dispatch_ranks_long_routing_exactly_in_every_warp_chunk(p, tokens):
     uniform and one-expert routing (a chunk whose entries all go to one expert), over 8 dispatch CTAs that each own
     many blocks, and finalize on its default grid."""
     tmax = 256
-    spec = RingSpec(p, E // p, H, K, tmax, BM)
-    vr = VirtualRanks(spec, "cuda", dispatch_ctas=8, shared_rows=S, timeout_ms=2000)
+    vr = VirtualRanks(_spec(p, tmax), "cuda", dispatch_ctas=8, timeout_ms=2000)
     for call, routing in enumerate(("uniform", "one_expert"), start=1):
-        xs, ids, ws, shared = make_inputs(p, routing, 100 * p + call, H, E, K, tmax, S, tokens=tokens)
-        _step_exactly(vr, xs, ids, ws, shared, gen=call)
+        xs, ids, ws = make_inputs(p, routing, 100 * p + call, H, E, K, tmax, tokens=tokens)
+        _step_exactly(vr, xs, ids, ws, gen=call)
 
 
 def _symmetric_one_rank(tmp_path) -> list[Workspace]:
@@ -79,24 +79,24 @@ def _symmetric_one_rank(tmp_path) -> list[Workspace]:
 
     if not dist.is_initialized():
         dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    return [Workspace.symmetric(RingSpec(1, E, H, K, TMAX, BM))]
+    return [Workspace.symmetric(_spec(1))]
 
 
 @pytest.mark.parametrize("p", [1, 2, 4], ids=["P1-symmetric-memory", "P2-virtual", "P4-virtual"])
 def test_graph_replays_bit_exact(p, tmp_path):
-    spec = RingSpec(p, E // p, H, K, TMAX, BM)
+    spec = _spec(p)
     wss = _symmetric_one_rank(tmp_path) if p == 1 else None
-    vr = VirtualRanks(spec, "cuda", wss, dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=2000)
+    vr = VirtualRanks(spec, "cuda", wss, dispatch_ctas=4, finalize_ctas=4, timeout_ms=2000)
     # four routings with the same token counts (seed % 4 fixes T), swapped into the graph's static inputs
     sets = [_inputs(p, r, seed=4 * s) for s, r in enumerate(["uniform", "one_expert", "one_rank", "half_empty"])]
     static = [[t.clone() for t in part] for part in sets[0]]
     outs = _outs(static[0])
-    vr.step(static[0], static[1], static[2], outs, static[3])  # eager first: generation 1
+    vr.step(*static, outs)  # eager first: generation 1
     torch.cuda.synchronize()
     vr.check()
-    _check_rings(vr.ws, *sets[0][:3], gen=1)
-    graph, _ = capture_graph(lambda: vr.step(static[0], static[1], static[2], outs, static[3]))
-    expected = [expected_outputs(*st) for st in sets]
+    _check_rings(vr.ws, *sets[0], gen=1)
+    graph, _ = capture_graph(lambda: vr.step(*static, outs))
+    expected = [expected_outputs(spec, *st) for st in sets]
     replays = 1000
     for i in range(replays):
         k = i % len(sets)
@@ -112,20 +112,19 @@ def test_graph_replays_bit_exact(p, tmp_path):
     vr.check()
     gen = int(vr.ws[0].views.signals[SIG_GEN])
     assert gen == replays + 2  # eager call + capture warm-up + the replays, no reset in between
-    _check_rings(vr.ws, *sets[(replays - 1) % len(sets)][:3], gen=gen)
+    _check_rings(vr.ws, *sets[(replays - 1) % len(sets)], gen=gen)
 
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_dead_peer_is_reported_and_recovery_works(p):
-    spec = RingSpec(p, E // p, H, K, TMAX, BM)
     bound_ms = 100
-    vr = VirtualRanks(spec, "cuda", dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=bound_ms)
-    xs, ids, ws, shared = _inputs(p, "uniform", seed=5)
-    vr.step(xs, ids, ws, _outs(xs), shared)  # generation 1 works
+    vr = VirtualRanks(_spec(p), "cuda", dispatch_ctas=4, finalize_ctas=4, timeout_ms=bound_ms)
+    xs, ids, ws = _inputs(p, "uniform", seed=5)
+    vr.step(xs, ids, ws, _outs(xs))  # generation 1 works
     torch.cuda.synchronize()
     vr.check()
     t0 = time.perf_counter()
-    vr.step(xs, ids, ws, _outs(xs), shared, silent=frozenset({1}))  # rank 1 never publishes generation 2
+    vr.step(xs, ids, ws, _outs(xs), silent=frozenset({1}))  # rank 1 never publishes generation 2
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     assert elapsed < 10 * bound_ms / 1e3, f"a failed call took {elapsed:.3f} s with a {bound_ms} ms bound"
@@ -133,11 +132,11 @@ def test_dead_peer_is_reported_and_recovery_works(p):
         vr.ws[0].check()
     vr.recover()
     outs = _outs(xs)
-    vr.step(xs, ids, ws, outs, shared)
+    vr.step(xs, ids, ws, outs)
     torch.cuda.synchronize()
     vr.check()
     _check_rings(vr.ws, xs, ids, ws, gen=1)
-    for y, want in zip(outs, expected_outputs(xs, ids, ws, shared)):
+    for y, want in zip(outs, expected_outputs(vr.spec, xs, ids, ws)):
         assert torch.equal(y, want)
 
 

@@ -1,10 +1,9 @@
-"""The comm kernels with one process per GPU on PyTorch symmetric memory (gcmoe_comm.multiproc): world size 1 on any
+"""The comm kernels with one process per GPU on PyTorch symmetric memory (comm_multiproc): world size 1 on any
 GPU machine (the same code path the multi-GPU run takes), and every visible GPU where there are two or more."""
 
 import pytest
 import torch
-
-from gcmoe_comm.multiproc import run
+from comm_multiproc import run
 
 
 @pytest.mark.gpu
@@ -35,8 +34,8 @@ def test_a_rank_starting_later_than_the_bound_is_not_dead(tmp_path):
 
 
 def test_rank_record_writes_the_outcome_and_never_raises(tmp_path):
-    """The per-rank record both harnesses (gcmoe_comm.multiproc, gcmoe.multiproc) write: ok, or the error and its
-    traceback, and the wall time; an exception in the body is recorded, not raised."""
+    """The per-rank record every multi-process harness writes (gcmoe_comm.multiproc.rank_record): ok, or the error
+    and its traceback, and the wall time; an exception in the body is recorded, not raised."""
     import json
 
     from gcmoe_comm.multiproc import rank_record

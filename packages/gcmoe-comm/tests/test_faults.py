@@ -1,4 +1,4 @@
-"""Faults beyond the dead peer, in the executable protocol model (gcmoe_comm.protocol_model.Fault): a stale or
+"""Faults beyond the dead peer, in the executable protocol model (protocol_model.Fault): a stale or
 corrupted generation counter, a READY tag forged to the very generation its peers wait for, a rank that publishes
 twice, a peer that restarts (its workspace recreated), a finalize that stalls past the bound, and the dead peer.
 
@@ -13,8 +13,7 @@ test_faults_gpu.py.
 from dataclasses import dataclass, replace
 
 import pytest
-
-from gcmoe_comm.protocol_model import (
+from protocol_model import (
     FAULT_KINDS,
     Config,
     Fault,
@@ -23,6 +22,7 @@ from gcmoe_comm.protocol_model import (
     random_walks,
     recovered_state,
 )
+
 from gcmoe_comm.workspace import error_message
 from gcmoe_core.signals import KIND_BLOCK, KIND_OFFS, KIND_READY, KIND_RECV, KIND_W1
 

@@ -1,4 +1,4 @@
-"""The faults of test_faults.py on virtual ranks on one GPU (gcmoe_comm.faults.FaultInjector through
+"""The faults of test_faults.py on virtual ranks on one GPU (fault_injection.FaultInjector through
 VirtualRanks.step): each faulty call ends, within a few bounds and without hanging the process, in a CommError
 naming the rank, the counter and the generation — the same ERR record the protocol model predicts for rank 0 —
 with NaN rows where a call failed; then recover() on every rank and the next call is bit-exact (ring and outputs).
@@ -9,12 +9,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from fault_injection import FaultInjector
+from protocol_model import FAULT_KINDS, Fault
+from virtual_ranks import VirtualRanks, check_ring, expected_outputs, make_inputs
 
-from gcmoe_comm.faults import FaultInjector
-from gcmoe_comm.protocol_model import FAULT_KINDS, Fault
 from gcmoe_comm.ring import RingSpec
-from gcmoe_comm.testing import check_ring, expected_outputs, make_inputs
-from gcmoe_comm.virtual import VirtualRanks
 from gcmoe_comm.workspace import CommError
 
 pytestmark = pytest.mark.gpu
@@ -55,18 +54,18 @@ def test_cases_cover_every_fault_kind():
 
 
 def _step(vr, inputs, inject=None):
-    xs, ids, ws, shared = inputs
+    xs, ids, ws = inputs
     outs = [torch.full_like(x, float("nan")) for x in xs]
     silent = frozenset({1}) if inject is not None and inject.fault.kind == "dead" else frozenset()
-    vr.step(xs, ids, ws, outs, shared, silent=silent, inject=inject)
+    vr.step(xs, ids, ws, outs, silent=silent, inject=inject)
     torch.cuda.synchronize()
     return outs
 
 
 def _virtual_ranks(p: int):
     """P virtual ranks of the fault tests' ring, their kernels loaded, every wait bounded by BOUND_MS."""
-    spec = RingSpec(p, E // p, H, K, TMAX, BM)
-    vr = VirtualRanks(spec, "cuda", dispatch_ctas=4, finalize_ctas=4, shared_rows=S, timeout_ms=BOUND_MS)
+    spec = RingSpec(p, E // p, H, K, TMAX, BM, S)
+    vr = VirtualRanks(spec, "cuda", dispatch_ctas=4, finalize_ctas=4, timeout_ms=BOUND_MS)
     vr.load()
     return vr
 
@@ -75,12 +74,12 @@ def _virtual_ranks(p: int):
 def test_fault_is_reported_within_the_bound_and_recovery_is_exact(case):
     p = 2
     vr = _virtual_ranks(p)
-    inputs = make_inputs(p, "uniform", 5, H, E, K, TMAX, S)
-    want = expected_outputs(*inputs)
+    inputs = make_inputs(p, "uniform", 5, H, E, K, TMAX)
+    want = expected_outputs(vr.spec, *inputs)
     outs = _step(vr, inputs)  # call 1 (generation 1) is exact
     vr.check()
     assert all(torch.equal(y, w) for y, w in zip(outs, want))
-    inject = FaultInjector(Fault(case.kind, rank=1, call=2), inputs[:3], stall_ms=3 * BOUND_MS)
+    inject = FaultInjector(Fault(case.kind, rank=1, call=2), inputs, stall_ms=3 * BOUND_MS)
     t0 = time.perf_counter()
     outs = _step(vr, inputs, inject)
     elapsed = time.perf_counter() - t0
@@ -98,7 +97,7 @@ def test_fault_is_reported_within_the_bound_and_recovery_is_exact(case):
     outs = _step(vr, inputs)
     vr.check()
     for q, w in enumerate(vr.ws):
-        check_ring(w.views, q, vr.spec, *inputs[:3], gen=1)
+        check_ring(w.views, q, vr.spec, *inputs, gen=1)
     for r, (y, w) in enumerate(zip(outs, want)):
         assert torch.equal(y, w), f"{case.kind}: rank {r} after recover()"
 
@@ -107,14 +106,14 @@ def test_fault_is_reported_within_the_bound_and_recovery_is_exact(case):
 def test_faults_on_four_ranks(kind):
     p = 4
     vr = _virtual_ranks(p)
-    inputs = make_inputs(p, "uniform", 6, H, E, K, TMAX, S)
+    inputs = make_inputs(p, "uniform", 6, H, E, K, TMAX)
     _step(vr, inputs)
     vr.check()
-    _step(vr, inputs, FaultInjector(Fault(kind, rank=2, call=2), inputs[:3], stall_ms=3 * BOUND_MS))
+    _step(vr, inputs, FaultInjector(Fault(kind, rank=2, call=2), inputs, stall_ms=3 * BOUND_MS))
     for r in (0, 1, 3):  # every peer of the faulty rank names a counter and generation 2
         with pytest.raises(CommError, match=rf"rank {r}: timed out waiting on .*generation 2"):
             vr.ws[r].check()
     vr.recover()
     outs = _step(vr, inputs)
     vr.check()
-    assert all(torch.equal(y, w) for y, w in zip(outs, expected_outputs(*inputs)))
+    assert all(torch.equal(y, w) for y, w in zip(outs, expected_outputs(vr.spec, *inputs)))

@@ -22,10 +22,10 @@ def _first_global(ptx: str) -> int:
     return re.search(r"^\s+(?:ld|st|atom)\.(?!param|shared)", ptx, re.M).start()
 
 
-@pytest.mark.parametrize("model, p, bm, shared", [("deepseek-v3", 8, 16, 1), ("glm-4.5", 4, 8, 0)])
-def test_comm_kernels_compile_with_the_protocol_instructions(model, p, bm, shared):
+@pytest.mark.parametrize("model, p, bm", [("deepseek-v3", 8, 16), ("glm-4.5", 4, 8)])
+def test_comm_kernels_compile_with_the_protocol_instructions(model, p, bm):
     cfg = MoEConfig.from_model(model, ep_size=p, max_tokens_per_rank=256)
-    ks = compiled(CommShape(RingSpec.from_config(cfg, bm), shared), "sm_90a")
+    ks = compiled(CommShape(RingSpec.from_config(cfg, bm)), "sm_90a")
     names = ("ready", "publish", "dispatch", "finalize")
     ready, publish, dispatch, finalize = (_ptx_ops(ks[n].ptx) for n in names)
     assert ready["st.release.sys.global.u32"] == 1 and ready["fence.acq_rel.sys"] == 1  # READY = g
@@ -56,7 +56,7 @@ def test_comm_kernels_compile_with_the_protocol_instructions(model, p, bm, share
     for name, k in ks.items():
         res = k.resources()
         assert res["LOCAL"] == 0 and res["STACK"] == 0, (name, res)
-    one = compiled(CommShape(RingSpec.from_config(cfg.replace(ep_size=1), bm), shared), "sm_90a")
+    one = compiled(CommShape(RingSpec.from_config(cfg.replace(ep_size=1), bm)), "sm_90a")
     # P = 1: every signal is this GPU's own (gpu scope), and READY is read, not awaited (its only
     # publish finished before griddepcontrol.wait returned): no acquire loop at all, OFFS and L1_FULL still released
     one_dispatch = _ptx_ops(one["dispatch"].ptx)

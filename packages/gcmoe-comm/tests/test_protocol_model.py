@@ -4,8 +4,7 @@ proof that the explorer catches seeded bugs (so a clean report means something).
 from dataclasses import replace
 
 import pytest
-
-from gcmoe_comm.protocol_model import Config, Variant, explore, random_walks
+from protocol_model import Config, Variant, explore, random_walks
 
 EXHAUSTIVE = [
     Config(ranks=1, blocks=3, generations=3),

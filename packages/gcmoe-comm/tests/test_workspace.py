@@ -124,7 +124,6 @@ def rank():
     [
         ({"dispatch_ctas": 0}, "dispatch_ctas = 0"),
         ({"finalize_ctas": 2000}, "finalize_ctas = 2000"),
-        ({"shared_rows": -1}, "shared_rows = -1"),
         ({"timeout_ms": 0}, "timeout 0 ms"),
     ],
 )
@@ -175,12 +174,8 @@ def test_finalize_argument_errors(rank):
         rank.finalize(torch.empty(4, 256))
     with pytest.raises(ValueError, match=r"out must be contiguous bf16"):
         rank.finalize(torch.empty(256, 4, dtype=torch.bfloat16).t())
-    with pytest.raises(ValueError, match="built with shared_rows=0"):
-        rank.finalize(torch.empty(4, 256, dtype=torch.bfloat16), torch.empty(4, 1, 256, dtype=torch.bfloat16))
-    shared = CommRank(rank.ws, shared_rows=1, timeout_ms=10)
-    shared._ntok = 4
-    with pytest.raises(ValueError, match=r"shared_rows must be bf16 \(4, 1, 256\)"):
-        shared.finalize(torch.empty(4, 256, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out is on meta, the workspace on cpu"):
+        rank.finalize(torch.empty(4, 256, dtype=torch.bfloat16, device="meta"))
 
 
 @pytest.mark.parametrize(

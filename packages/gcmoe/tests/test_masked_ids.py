@@ -169,7 +169,7 @@ def test_comm_kernels_compile_with_masked_ids():
     from gcmoe_comm.ring import RingSpec
 
     spec = RingSpec.from_config(MoEConfig.from_model("deepseek-v3", ep_size=8), 16)
-    plain, masked = (compiled(CommShape(spec, 0, m), "sm_90a") for m in (False, True))
+    plain, masked = (compiled(CommShape(spec, m), "sm_90a") for m in (False, True))
     assert masked["publish"].ptx != plain["publish"].ptx
     for name, k in masked.items():
         res = k.resources()

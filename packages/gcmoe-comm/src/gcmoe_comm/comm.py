@@ -6,7 +6,7 @@
     rank.dispatch()                                 # role1: pull routed tokens into this rank's ring
     (or both at once: rank.publish_dispatch(x, topk_ids, topk_weights), one kernel at world size 1)
     ... W1 / W2 on ws.views.ring_* (W2 scatters into the source ranks' ws.views.combine) ...
-    rank.finalize(out, shared_rows)                 # role3: tell every rank my rows landed, wait for every rank,
+    rank.finalize(out)                              # role3: tell every rank my rows landed, wait for every rank,
                                                     # y = slot-order sum; frees the workspace
     rank.ws.check()                                 # raises CommError if any bounded wait expired (host sync)
 
@@ -42,22 +42,17 @@ import torch
 
 from gcmoe_core import env
 
+from .launch import MAX_DISPATCH_SMEM, THREADS, WARPS
 from .workspace import Workspace
 
-MAX_DISPATCH_SMEM = 200 * 1024
-THREADS = 256  # per CTA of every comm kernel (kernels.py)
-WARPS = THREADS // 32  # dispatch ranks the routing in WARPS chunks, one per warp, each with its own row cursors
-# finalize's grid: a thread per 16 output bytes, at most this many CTAs per SM (from T = 38 / 66 tokens on for
-# DeepSeek-V3 / V4-Flash): the layer 1.005-1.026x faster at T = 128-256 than at one per SM, the same at T <= 32 (H200,
-# 2026-12-01, tools/gpu/layer_ab.py --finalize-ctas-per-sm 1 4, docs/benchmarks/comm-ranking-h200-2026-12-01.md)
+# finalize's grid: a thread per 16 output bytes, at most this many CTAs per SM (the cap binds from T = 38 / 66 tokens
+# on for DeepSeek-V3 / V4-Flash). Four per SM keep more output pieces' loads in flight than one: measured on the
+# public layer, faster at T = 128-256 and the same at T <= 32 (docs/benchmarks/index.md: comm ranking)
 FINALIZE_CTAS_PER_SM = 4
 # world size 1: publish + dispatch as one kernel (publish_dispatch) while the call's ring rows, T (k + S) rows of H
 # FP8 bytes, are at most this many bytes; above, the two kernels: the fused one quantises each token once per ring row
-# it lands in (k + S times), and that work outgrows the round trips it saves. Side by side on the public layer (H200,
-# 2026-12-02, tools/gpu/layer_ab.py --local-dispatch-max-bytes, docs/benchmarks/local-dispatch-h200-2026-12-02.md):
-# one kernel 1.014-1.084x faster up to 1.03 MB (V4-Flash T <= 32, DeepSeek-V3 / GLM-5 T <= 16), 0.99-1.00x for
-# GLM-5 at 0.88-1.77 MB (T = 16 / 32), 0.96-0.99x for DeepSeek-V3 / GLM-5 above 1.77 MB; V4-Flash T = 64 (1.8 MB)
-# 1.029x is left on the two kernels
+# it lands in (k + S times), and that work outgrows the kernel boundary and round trips it saves (measured side by
+# side on the public layer across V4-Flash, DeepSeek-V3 and GLM-5, docs/benchmarks/index.md: local dispatch)
 LOCAL_DISPATCH_MAX_BYTES = 3 << 19
 _TICKETS = itertools.count(1)
 
@@ -75,7 +70,6 @@ class CommRank:
         ws: Workspace,
         dispatch_ctas: int | None = None,
         finalize_ctas: int | None = None,
-        shared_rows: int = 0,
         timeout_ms: float | None = None,
         masked_ids: bool = False,
     ):
@@ -83,11 +77,9 @@ class CommRank:
         for name, v in (("dispatch_ctas", dispatch_ctas), ("finalize_ctas", finalize_ctas)):
             if v is not None and not 1 <= v <= 1024:
                 raise ValueError(f"CommRank: {name} = {v} must be in [1, 1024]")
-        if shared_rows < 0:
-            raise ValueError(f"CommRank: shared_rows = {shared_rows} must be >= 0")
         self.validate_spec(spec)
         self.ws = ws
-        self.dispatch_ctas, self.finalize_ctas, self.shared_rows = dispatch_ctas, finalize_ctas, shared_rows
+        self.dispatch_ctas, self.finalize_ctas = dispatch_ctas, finalize_ctas
         self.masked_ids = masked_ids  # publish drops an id of -1 without recording it (MoEConfig.masked_ids)
         ms = env.get_int("GCMOE_COMM_TIMEOUT_MS") if timeout_ms is None else timeout_ms
         if ms <= 0:
@@ -114,7 +106,7 @@ class CommRank:
 
             from .kernels import CommShape, compiled
 
-            shape = CommShape(self.ws.spec, self.shared_rows, self.masked_ids)
+            shape = CommShape(self.ws.spec, self.masked_ids)
             self._kernels = compiled(shape, target_arch(self.ws.buf.device.index))
             i64 = cutlass_modules()[0].Int64  # a plain Python int would be passed as a 32-bit parameter
             self._i64 = i64
@@ -148,7 +140,7 @@ class CommRank:
             if "dispatch_local" in k:
                 k["dispatch_local"](base, z, z, z, z, z, z, 0, 0, 1, 1, self._stream())
             k["dispatch"](peers, self.ws.rank, self._timeout_arg, -1, 1, self._stream())
-            k["finalize"](peers, self.ws.rank, z, 0, z, self._timeout_arg, 1, z, 1, self._stream())
+            k["finalize"](peers, self.ws.rank, z, 0, self._timeout_arg, 1, z, 1, self._stream())
 
     def publish_ctas(self, tokens: int) -> int:
         """Publish CTAs for T tokens: a warp per 128-value group, grid-stride, at most 8 per SM."""
@@ -291,12 +283,11 @@ class CommRank:
     def finalize(
         self,
         out: torch.Tensor | None = None,
-        shared_rows: torch.Tensor | None = None,
         status: int = 0,
         ctas: int | None = None,
     ) -> torch.Tensor | None:
         """Tell every rank my W2 rows for it landed (the W2 launch must precede this on the stream), wait for every
-        rank's, then out[t] = bf16(fp32 sum of combine rows t*(k+S) .. t*(k+S)+k+S-1, then shared_rows[t, 0..]) for
+        rank's, then out[t] = bf16(fp32 sum of combine rows t*(k+S) .. t*(k+S)+k+S-1) for
         this call's T, and free the workspace. out=None (slot path): the output pointer and T published with READY.
         ctas: the grid (default: finalize_grid of T; the slot path's default sizes it for max_tokens)."""
         s = self.ws.spec
@@ -308,17 +299,7 @@ class CommRank:
                 )
             if out.device != self.ws.buf.device:
                 raise ValueError(f"finalize: out is on {out.device}, the workspace on {self.ws.buf.device}")
-        if self.shared_rows:
-            want = (t, self.shared_rows, s.hidden)
-            if shared_rows is None or shared_rows.shape != want or shared_rows.dtype != torch.bfloat16:
-                got = None if shared_rows is None else (shared_rows.dtype, tuple(shared_rows.shape))
-                raise ValueError(f"finalize: shared_rows must be bf16 {want}, got {got}")
-            if not shared_rows.is_contiguous():
-                raise ValueError("finalize: shared_rows must be contiguous")
-        elif shared_rows is not None:
-            raise ValueError("finalize: shared_rows given, but this CommRank was built with shared_rows=0")
         k, i64, z = self.kernels["finalize"], self._i64, self._zero
-        shared_ptr = z if shared_rows is None else i64(shared_rows.data_ptr())
         out_ptr = z if out is None else i64(out.data_ptr())
         ntok = -1 if out is None else t
         k(
@@ -326,7 +307,6 @@ class CommRank:
             self.ws.rank,
             out_ptr,
             ntok,
-            shared_ptr,
             self._timeout_arg,
             self._ticket,
             i64(status),

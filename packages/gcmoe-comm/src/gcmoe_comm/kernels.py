@@ -42,15 +42,14 @@ One call on rank r (generation g = the call count since the last recover), each 
                writes the publish's words (the slot path's SEQ / status, GEN = READY = g, NTOK, OUT) under the
                release of OFFS = g; step 5 then quantises each owned row straight from the caller's x (the same
                bits as publish's, a token once per ring row it lands in) and tags the block. No published copy,
-               one kernel boundary fewer: the layer 1.01-1.08x faster at T <= 16-32 (H200, 2026-12-02,
-               docs/benchmarks/local-dispatch-h200-2026-12-02.md)
+               one kernel boundary fewer
     [W1, W2]   the compute partition (gcmoe-gemm-sm90): W1 acquires OFFS and each block's L1_FULL; W2 scatters row i
                to rank src[i,0]'s combine row src[i,1] * (k + S) + src[i,2] through the combine peer table
     finalize   F CTAs (comm.CommRank.finalize_grid), a programmatic dependent launch in W2's tail that waits for W2
                (griddepcontrol.wait) before anything else: CTA 0 first tells every rank q its rows for q landed
                (atom.add.release.sys q.RECV[g & 1]; W2 has finished); then each CTA acquires RECV[g & 1] == P
                (bounded; compiled out at world size 1, where W2's rows are all this rank's and W2 has finished);
-               y[t] = bf16(sum_j combine[t (k+S) + j] (+ shared rows), fp32, slot order =
+               y[t] = bf16(sum_j combine[t (k+S) + j], fp32, slot order =
                gcmoe_core.reference.combine_slots); the last CTA resets RECV[g & 1] for call g + 2, sets CGEN = g and
                frees INUSE. A failed call (ERR set) writes NaN rows instead, so its output is never silently wrong.
 
@@ -58,7 +57,8 @@ Why no trailing barrier: rank r publishes call g + 1 only after its finalize of 
 signal, which each peer issues after its dispatch of call g finished reading r's published tokens (the peer's W1
 acquired every block its dispatch filled; its W2 and finalize follow in stream order); and a peer scatters into r's
 combine buffer for call g + 1 only after acquiring r's READY = g + 1. The receive counters alternate by parity, so
-the reset of one never races the next call's arrivals (gcmoe_comm.protocol_model checks all this).
+the reset of one never races the next call's arrivals (the protocol model, packages/gcmoe-comm/tests/protocol_model.py,
+checks all this).
 
 Latency: at small T each kernel is a chain of dependent round trips to L2 (or a peer), not bandwidth; wherever the
 words a thread reads do not depend on each other they are loaded together before the first is used (publish: the
@@ -101,7 +101,7 @@ from gcmoe_core.device_ops import (
 from gcmoe_core.kernel_helpers import F32_ONE, bits_to_f32, cvt_bf16x2, cvt_e4m3x2, f32_to_bits, fp8_pow2_exponent
 from gcmoe_core.signals import KIND_BUSY, KIND_READY, KIND_RECV
 
-from .comm import THREADS, WARPS
+from .launch import THREADS, WARPS
 from .ring import RingSpec
 from .workspace import (
     BAD_ID,
@@ -143,7 +143,6 @@ class CommShape:
     """What a compiled set of comm kernels is specialised on."""
 
     spec: RingSpec
-    shared_rows: int  # shared-expert rows finalize adds from a separate tensor (0: none; the layer's ride the ring)
     masked_ids: bool = False  # publish takes id -1 as a masked slot: dropped, not recorded as BAD
 
 
@@ -158,7 +157,6 @@ class CommKernels:
         self.KR, self.SH, self.K = s.top_k, s.shared, s.slots  # routed slots, shared slots, published slots
         self.REL, self.E = s.ring_experts, s.num_experts
         self.H, self.HS, self.CAP = s.hidden, s.hidden // 128, s.capacity
-        self.S = shape.shared_rows
         self.ID_MIN = -1 if shape.masked_ids else 0  # the lowest id publish does not record as BAD
         self.o = {k: v for k, v in lay.offsets.items()}
         # the scope of the cross-rank signals: other GPUs (sys) for P > 1; one GPU's own workspace for P = 1
@@ -275,8 +273,8 @@ class CommKernels:
     def _take_workspace(self, own: Int64, ticket: Int32) -> Int32:
         """One thread: 1 if this call holds the workspace (ERR clear and INUSE taken by CAS 0 -> ticket, or held by
         the ticket already: another CTA of the call), else 0 (held by another ticket: ERR kind BUSY recorded).
-        (ERR beside the CAS as an acquire, one round trip fewer, measured 0.98-1.02x on the layer: not kept, H200,
-        2026-12-02, docs/benchmarks/window-pipelining-h200-2026-12-02.md.)"""
+        ERR is read before the CAS, not beside it: the round trip that would save measured no faster on the layer
+        (docs/benchmarks/index.md: window pipelining)."""
         ok = Int32(0)
         if ld_u32(own + SIG_ERR * 4) == 0:
             held = atom_cas_u32(own + SIG_INUSE * 4, 0, ticket, "gpu", "acq_rel")
@@ -895,18 +893,15 @@ class CommKernels:
 
     # ---------------------------------------------------------------- finalize (+ the combined signal)
     @cute.jit
-    def _load_pieces(self, comb: Int64, shared: Int64, it: Int32):
+    def _load_pieces(self, comb: Int64, it: Int32):
         """The k + S 16-byte pieces output piece `it` (token it // (H / 8), 8 columns) sums, all loads in flight at
-        once: its k combine rows, then its S shared rows; as (k + S) x 4 words."""
-        K, S, H = self.K, self.S, self.H
+        once: its k + S combine rows, as (k + S) x 4 words."""
+        K, H = self.K, self.H
         t = it // (H // 8)
         c = it - t * (H // 8)
         words = []
-        for j in cutlass.range_constexpr(K + S):
-            if cutlass.const_expr(j < K):
-                words.extend(ld_v4(comb + (Int64(t * K + j) * H + c * 8) * 2))
-            else:
-                words.extend(ld_v4(shared + (Int64(t * S + j - K) * H + c * 8) * 2))
+        for j in cutlass.range_constexpr(K):
+            words.extend(ld_v4(comb + (Int64(t * K + j) * H + c * 8) * 2))
         return tuple(words)
 
     @cute.jit
@@ -916,7 +911,7 @@ class CommKernels:
         t = it // (H // 8)
         c = it - t * (H // 8)
         acc = [Float32(0.0)] * 8
-        for j in cutlass.range_constexpr(self.K + self.S):
+        for j in cutlass.range_constexpr(self.K):
             for h in cutlass.range_constexpr(4):
                 w = words[4 * j + h]
                 lo_v = bits_to_f32(w << 16)
@@ -942,12 +937,11 @@ class CommKernels:
         rank: Int32,
         out_arg: Int64,
         ntok_arg: Int32,
-        shared: Int64,
         timeout_ns: Int64,
         ticket: Int32,
         status: Int64,
     ):
-        K, H, S, P = self.K, self.H, self.S, self.P
+        K, H, P = self.K, self.H, self.P
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         F, _, _ = cute.arch.grid_dim()
@@ -960,15 +954,15 @@ class CommKernels:
         sflag = st.flag.get_tensor(cute.make_layout(4))
         sout = st.out.get_tensor(cute.make_layout(1))
         self._stage_peers(peers, speer, tid)
-        # P = 1 with the output and T by value: this thread's first output piece's combine / shared rows loaded now,
+        # P = 1 with the output and T by value: this thread's first output piece's combine rows loaded now,
         # beside the state words below (W2, the only writer, has finished), so both take one round trip
         it0 = cta * THREADS + tid
         pre = Int32(0)
-        words = (Int32(0),) * (4 * (K + S))
+        words = (Int32(0),) * (4 * K)
         if cutlass.const_expr(P == 1):  # noqa: SIM102  (a compile-time branch around a run-time one)
             if out_arg != 0 and it0 < ntok_arg * (H // 8):
                 pre = Int32(1)
-                words = self._load_pieces(peers[0] + self.o["combine"], shared, it0)
+                words = self._load_pieces(peers[0] + self.o["combine"], it0)
         cute.arch.sync_threads()
         own = speer[rank]
         if tid == 0:
@@ -1021,7 +1015,7 @@ class CommKernels:
         if sflag[0] == 1:
             for it in cutlass.range(it0, t_count * per_tok, F * THREADS, unroll=1):
                 if pre == 0 or it != it0:
-                    words = self._load_pieces(comb, shared, it)
+                    words = self._load_pieces(comb, it)
                 self._store_sum(out, it, words)
             cute.arch.sync_threads()
             if tid == 0:
@@ -1050,14 +1044,13 @@ class CommKernels:
         rank: Int32,
         out: Int64,
         ntok: Int32,
-        shared: Int64,
         timeout_ns: Int64,
         ticket: Int32,
         status: Int64,
         nctas: Int32,
         stream: cuda.CUstream,
     ):
-        self.k_finalize(peers, rank, out, ntok, shared, timeout_ns, ticket, status).launch(
+        self.k_finalize(peers, rank, out, ntok, timeout_ns, ticket, status).launch(
             grid=[nctas, 1, 1],
             block=[THREADS, 1, 1],
             smem=self.finalize_shared.size_in_bytes(),
@@ -1123,7 +1116,6 @@ def compiled(shape: CommShape, arch: str) -> dict:
             Int32(0),
             i64,
             Int32(0),
-            i64,
             i64,
             Int32(1),
             i64,

@@ -34,8 +34,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "GCMOE_COMM_SMS",
         "(tuned)",
-        "force the comm partition size in SMs; 0 = no partition. Unset: the policy cached by `gcmoe tune` for the "
-        "device and shape, else the device's default (gcmoe.tune)",
+        "force the comm partition size in SMs; 0 = no partition. Unset: the policy `gcmoe tune` cached for the "
+        "device and shape, else the device's default (gcmoe.policy)",
     ),
 )
 _BY_NAME = {v.name: v for v in ENV_VARS}
@@ -67,9 +67,3 @@ def get_bool(name: str) -> bool:
 
 def cache_dir() -> Path:
     return Path(os.path.expanduser(get("GCMOE_CACHE_DIR")))
-
-
-def markdown_table() -> str:
-    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
-    rows += [f"| `{v.name}` | `{v.default}` | {v.meaning} |" for v in ENV_VARS]
-    return "\n".join(rows)

@@ -27,15 +27,10 @@ class Sm103Config:
             raise ValueError(f"Sm103Config: stages must be in 2..8, got {self.stages}")
 
 
-def can_implement(
-    mode: str, m: int, k: int, num_experts: int, weight_format: str = "mxfp4", cfg: Sm103Config | None = None
-) -> str | None:
-    """None if the kernel takes an [E, M, K] weight tensor in this mode, else the reason."""
-    cfg = cfg or Sm103Config()
+def can_implement(mode: str, m: int, k: int, num_experts: int) -> str | None:
+    """None if the kernel takes an MXFP4 [E, M, K] weight tensor in this mode, else the reason."""
     if mode not in ("w1", "w2"):
         return f"mode must be 'w1' or 'w2', got {mode!r}"
-    if weight_format not in ("mxfp4", "mxfp8"):
-        return f"weight format must be 'mxfp4' or 'mxfp8', got {weight_format!r}"
     if m % TILE_M:  # for W1 this also makes each CTA own 128 intermediate columns: one FP8 scale group
         return f"M = {m} rows must be a multiple of the {TILE_M}-row CTA tile"
     if k % K_TILE or k <= 0:

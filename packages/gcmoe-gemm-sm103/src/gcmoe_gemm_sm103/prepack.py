@@ -1,11 +1,11 @@
-"""K128 prepacker for the sm_103a grouped GEMMs: MXFP4 (or MXFP8) expert weights -> TMA-friendly K128 tiles and the
-scale factors in the layout tcgen05 block-scaled MMA reads (plain torch, any device; exact inverse provided).
+"""K128 prepacker for the sm_103a grouped GEMMs: MXFP4 expert weights -> TMA-friendly K128 tiles and the scale
+factors in the layout tcgen05 block-scaled MMA reads (plain torch, any device; exact inverse provided).
 
 Weights (operand swap: weight rows are the MMA's M side, BM = 128 rows per CTA tile):
 
     logical  w [E, N, K]            MXFP4: packed [E, N, K/2] bytes (low nibble first) + UE8M0 [E, N, K/32]
-    data     [E, N/128, K/128, 128, B]      B = 64 bytes (FP4) or 128 bytes (FP8) per row per K128 tile
-             one (128-row x K128) tile = 8 KiB (FP4) contiguous: a single TMA box of one long burst
+    data     [E, N/128, K/128, 128, 64]     64 bytes (128 FP4) per row per K128 tile
+             one (128-row x K128) tile = 8 KiB contiguous: a single TMA box of one long burst
 
              e ─┬─ n_tile 0 ─┬─ k_tile 0: rows 0..127 x 64 B  ──►  8 KiB contiguous
                 │            ├─ k_tile 1: rows 0..127 x 64 B
@@ -37,20 +37,18 @@ from gcmoe_core.layouts import gate_up_permutation, inverse_permutation
 
 BM = 128
 K_TILE = 128
-SF_GROUP = 32
 SF_ATOM = 512
 GATE_UP_GROUP = 16  # gate rows 0-15 and up rows 16-31 of each 32-row TMEM lane block (one warp): SwiGLU by shuffle
 
 
 @dataclass(frozen=True)
 class PackedK128:
-    """Prepacked weights of E experts: data [E, N/128, K/128, 128, B] uint8, sf [E, N/128, K/128, 512] uint8."""
+    """Prepacked MXFP4 weights of E experts: data [E, N/128, K/128, 128, 64] uint8, sf [E, N/128, K/128, 512]."""
 
     data: torch.Tensor
     sf: torch.Tensor
     n: int
     k: int
-    fmt: str  # "mxfp4" or "mxfp8"
     gate_up: bool  # rows interleaved gate/up (W13)
 
 
@@ -105,30 +103,13 @@ def prepack_mxfp4_k128(w: MXFP4Tensor, gate_up: bool = False) -> PackedK128:
     if gate_up:
         perm = gate_up_permutation(n // 2, GATE_UP_GROUP, packed.device)
         packed, scale = packed[:, perm], scale[:, perm]
-    return PackedK128(_tile_rows(packed, K_TILE // 2), _pack_sf(scale), n, k, "mxfp4", gate_up)
-
-
-def prepack_mxfp8_k128(q: torch.Tensor, scale: torch.Tensor, gate_up: bool = False) -> PackedK128:
-    """MXFP8 weights (float8_e4m3fn [E, N, K] + UE8M0 [E, N, K/32]) -> PackedK128 (the FP8 x FP8 mode)."""
-    if q.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8 or q.dim() != 3:
-        raise ValueError("prepack_mxfp8_k128: expected float8_e4m3fn [E, N, K] and uint8 UE8M0 [E, N, K/32]")
-    e, n, k = q.shape
-    _check_nk(n, k, "prepack_mxfp8_k128")
-    if tuple(scale.shape) != (e, n, k // SF_GROUP):
-        raise ValueError(f"prepack_mxfp8_k128: scale shape {tuple(scale.shape)} != {(e, n, k // SF_GROUP)}")
-    data = q.view(torch.uint8)
-    if gate_up:
-        perm = gate_up_permutation(n // 2, GATE_UP_GROUP, q.device)
-        data, scale = data[:, perm], scale[:, perm]
-    return PackedK128(_tile_rows(data, K_TILE), _pack_sf(scale), n, k, "mxfp8", gate_up)
+    return PackedK128(_tile_rows(packed, K_TILE // 2), _pack_sf(scale), n, k, gate_up)
 
 
 def unpack_k128(p: PackedK128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact inverse: (packed bytes [E, N, K/2] or float8 [E, N, K], UE8M0 scale [E, N, K/32]) in logical row order."""
+    """Exact inverse: (packed bytes [E, N, K/2], UE8M0 scale [E, N, K/32]) in logical row order."""
     data, scale = _untile_rows(p.data), _unpack_sf(p.sf)
     if p.gate_up:
         inv = inverse_permutation(gate_up_permutation(p.n // 2, GATE_UP_GROUP, data.device))
         data, scale = data[:, inv], scale[:, inv]
-    if p.fmt == "mxfp8":
-        data = data.view(torch.float8_e4m3fn)
     return data.contiguous(), scale.contiguous()

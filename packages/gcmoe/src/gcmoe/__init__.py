@@ -1,4 +1,5 @@
-"""gcmoe: MoE decode operator — green-context partitioned token dispatch + FP8 x MXFP4 grouped GEMM.
+"""gcmoe: MoE decode operator — FP8 x MXFP4 grouped expert GEMMs between a token-ring dispatch and combine (on
+green-context SM partitions where the tuned policy says so).
 
 import gcmoe
 layer = gcmoe.MoELayer(gcmoe.MoEConfig.from_model("deepseek-v4-flash"), device="cuda")

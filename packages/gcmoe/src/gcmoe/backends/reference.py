@@ -13,7 +13,7 @@ import torch
 from gcmoe_core.config import MoEConfig, check_call_values
 from gcmoe_core.reference import Activation, MoEWeights, moe_reference
 
-from . import LayerOptions, flatten_weights
+from .base import LayerOptions, flatten_weights
 
 
 class ReferencePlan:

@@ -28,7 +28,8 @@ from gcmoe_gemm_sm103.config import K_TILE, Sm103Config
 from gcmoe_gemm_sm103.emulate import emulate_w1, emulate_w2, prepack_layer, token_scale_atoms
 from gcmoe_gemm_sm103.prepack import BM, PackedK128
 
-from .. import backends
+from . import base
+from .base import LayerOptions
 
 CAPABILITY = (10, 3)
 ONE_RANK = "ep_size = 1 (the sm103 backend runs every expert on one rank: it has no dispatch)"
@@ -39,15 +40,13 @@ def _packed_k128(data: torch.Tensor, sf: torch.Tensor, gate_up: bool) -> PackedK
     _e, n_tiles, k_tiles, _rows, row_bytes = data.shape
     if row_bytes != K_TILE // 2:
         raise ValueError(f"gcmoe: sm103: expected MXFP4 K128 tiles of {K_TILE // 2} bytes per row, got {row_bytes}")
-    return PackedK128(data, sf, n_tiles * BM, k_tiles * K_TILE, "mxfp4", gate_up)
+    return PackedK128(data, sf, n_tiles * BM, k_tiles * K_TILE, gate_up)
 
 
 class Sm103Plan:
     """One layer on the sm103 kernels (or their torch models): the prepacked experts and the kernel config."""
 
-    def __init__(
-        self, cfg: MoEConfig, tensors: tuple[torch.Tensor, ...], device: torch.device, options: backends.LayerOptions
-    ):
+    def __init__(self, cfg: MoEConfig, tensors: tuple[torch.Tensor, ...], device: torch.device, options: LayerOptions):
         w13_data, w13_sf, w2_data, w2_sf = tensors
         self.cfg, self.device, self.emulate = cfg, device, options.emulate
         self.kernel_config = options.kernel_config or Sm103Config()
@@ -111,10 +110,10 @@ class Sm103Backend:
     auto = False  # never run on a Blackwell GPU: used only when asked for by name
 
     def missing(self, device: torch.device, cfg: MoEConfig | None = None) -> str | None:
-        why = backends.cuda_missing(device, CAPABILITY)
+        why = base.cuda_missing(device, CAPABILITY)
         if why is None and cfg is not None and cfg.ep_size > 1:
             why = ONE_RANK
-        return why or backends.kernel_package_missing("gcmoe_gemm_sm103", cfg)
+        return why or base.kernel_package_missing("gcmoe_gemm_sm103", cfg)
 
     def prepack(self, cfg: MoEConfig, weights: MoEWeights, device: torch.device) -> tuple[torch.Tensor, ...]:
         if cfg.ep_size > 1:
@@ -134,5 +133,5 @@ class Sm103Backend:
         p13, p2 = prepack_layer(w13, w2)
         return (p13.data, p13.sf, p2.data, p2.sf)
 
-    def plan(self, cfg: MoEConfig, tensors, device: torch.device, options: backends.LayerOptions) -> Sm103Plan:
+    def plan(self, cfg: MoEConfig, tensors, device: torch.device, options: LayerOptions) -> Sm103Plan:
         return Sm103Plan(cfg, tensors, device, options)

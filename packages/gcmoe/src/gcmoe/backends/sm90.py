@@ -73,7 +73,7 @@ from gcmoe_core.config import MoEConfig, check_call_values
 from gcmoe_core.reference import MoEWeights, combine_slots
 from gcmoe_greenctx import capturing, relaxed_capture
 
-from . import LayerOptions, cuda_missing, kernel_package_missing
+from .base import LayerOptions, cuda_missing, kernel_package_missing
 
 L2_PREFETCH_MAX_BUCKET = 1  # the shared experts' W1 prefetched into L2 at these buckets (module docstring)
 HOST_WAIT_S = 60.0  # the host never waits longer than this for the device to consume an argument slot

@@ -1,5 +1,5 @@
-"""Fault injection on virtual ranks (one GPU): the faults of the protocol model (gcmoe_comm.protocol_model.Fault)
-enacted on real workspaces through VirtualRanks.step's inject hook, each on the faulty rank's own stream just
+"""Fault injection on virtual ranks (one GPU): the faults of the protocol model (protocol_model.Fault) enacted on
+real workspaces through virtual_ranks.VirtualRanks.step's inject hook, each on the faulty rank's own stream just
 before the phase it hits:
 
     dead            every phase of the rank skipped
@@ -13,7 +13,7 @@ before the phase it hits:
     finalize_stall  its stream sleeps `stall_ms` before its finalize (alive, but late past the bound)
 
     inject = FaultInjector(Fault("forged_ready", rank=1), (xs, ids, ws), stall_ms=3 * bound_ms)
-    vr.step(xs, ids, ws, outs, shared, inject=inject)      # the faulty call; then vr.check() raises CommError
+    vr.step(xs, ids, ws, outs, inject=inject)              # the faulty call; then vr.check() raises CommError
 
 A sleep lasts at least stall_ms on a GPU clocked at 2 GHz or less (torch.cuda._sleep counts cycles).
 """
@@ -21,10 +21,10 @@ A sleep lasts at least stall_ms on a GPU clocked at 2 GHz or less (torch.cuda._s
 from __future__ import annotations
 
 import torch
+from protocol_model import Fault
 
-from .comm import CommRank, new_ticket
-from .protocol_model import Fault
-from .workspace import SIG_GEN, SIG_READY
+from gcmoe_comm.comm import CommRank, new_ticket
+from gcmoe_comm.workspace import SIG_GEN, SIG_READY
 
 CYCLES_PER_MS = 2_000_000  # (an upper bound on the clock: the sleeps last at least as long as asked)
 
