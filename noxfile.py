@@ -6,7 +6,7 @@ nox -s integration                     end to end: the CLI, the offline compile,
 nox -s compile                         CuTe DSL kernels compiled offline for sm_90a / sm_100a / sm_103a + SASS checks
 nox -s lint                            ruff
 nox -s docs                            the documentation site: mkdocs build --strict into site/
-nox -s gpu                             what a GPU runner runs: the gpu/sm90/sm103-marked tests, then `gcmoe bench`
+nox -s gpu                             what a GPU runner runs: the gpu/sm90/sm103-marked tests, then `gcmoe-lab bench`
 nox -s ci                              lint + tests + integration + compile + docs, as .ci/run runs them
 """
 
@@ -20,7 +20,7 @@ nox.options.default_venv_backend = "uv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "tests", "integration", "compile", "docs"]
 
-PACKAGES = ["gcmoe-core", "gcmoe-greenctx", "gcmoe-comm", "gcmoe-gemm-sm90", "gcmoe-gemm-sm103", "gcmoe"]
+PACKAGES = ["gcmoe-core", "gcmoe-greenctx", "gcmoe-comm", "gcmoe-gemm-sm90", "gcmoe-gemm-sm103", "gcmoe", "gcmoe-lab"]
 PYTHON = "3.11"
 
 
@@ -86,7 +86,7 @@ def gpu(session: nox.Session) -> None:
         *session.posargs,
     )
     session.run(
-        "python", "-m", "gcmoe.cli", "bench", "--json", "bench.json", "--markdown", "bench.md", "--plot", "bench.png"
+        "python", "-m", "gcmoe_lab", "bench", "--json", "bench.json", "--markdown", "bench.md", "--plot", "bench.png"
     )
 
 

@@ -33,7 +33,8 @@ def test_demo_fails_loudly_on_bad_backend():
 
 
 def test_bench_cli_writes_json_markdown_plot(tmp_path):
-    """`gcmoe bench` on this machine with every output; on a CPU: the reference backend, no floor."""
+    """`gcmoe bench` (gcmoe-lab's bench, handed over) on this machine with every output; on a CPU: the reference
+    backend, no floor."""
     paths = {k: tmp_path / f"b.{k}" for k in ("json", "md", "png")}
     shape = "custom:512,256,16,4,1"
     r = _gcmoe(
@@ -45,7 +46,9 @@ def test_bench_cli_writes_json_markdown_plot(tmp_path):
     eager, fp8 = d["records"]
     assert (eager["variant"], fp8["variant"]) == ("eager", "torch_fp8") and eager["tokens"] == fp8["tokens"] == 2
     assert eager["median_us"] > 0 and fp8["median_us"] > 0 and 0 < fp8["calc_diff"] <= 1e-2
-    assert "--variants eager torch_fp8" in d["meta"]["reproduce"]
+    assert (
+        d["meta"]["reproduce"].startswith("gcmoe-lab bench ") and "--variants eager torch_fp8" in d["meta"]["reproduce"]
+    )
     if d["meta"]["device"] == "CPU":
         assert eager["backend"] == "reference" and "floor_us" not in eager
         assert f"layer backend {shape}: reference" in r.stdout
@@ -68,9 +71,25 @@ def test_bench_rejects_bad_arguments_before_measuring():
 
 def test_tune_is_wired():
     r = _gcmoe("--help")
-    assert r.returncode == 0 and "tune" in r.stdout
+    assert r.returncode == 0 and "tune" in r.stdout and "bench" in r.stdout
     r = _gcmoe("tune", "--help")
-    assert r.returncode == 0 and "--comm-sizes" in r.stdout
+    assert r.returncode == 0 and "--comm-sizes" in r.stdout and "usage: gcmoe tune" in r.stdout
+
+
+BLOCK_LAB = "import sys; sys.modules['gcmoe_lab'] = None; from gcmoe.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_bench_and_tune_without_the_lab_say_how_to_install_it(command):
+    """`gcmoe bench` / `gcmoe tune` hand over to gcmoe-lab; where it is not installed (an import of it fails here)
+    they exit 2 with one line saying how to get it, and the product's own commands still work."""
+    r = subprocess.run(
+        [sys.executable, "-c", BLOCK_LAB, command, "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == f"gcmoe {command} needs gcmoe-lab: pip install gcmoe-lab / uv sync --package gcmoe-lab"
+    r = subprocess.run([sys.executable, "-c", BLOCK_LAB, "--help"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "demo" in r.stdout
 
 
 @pytest.mark.slow

@@ -1,14 +1,14 @@
-"""The CPU side of the GPU tools (tools/gpu): soak.py's inputs, schedule, on-device check loop (run here on CPU tensors
-with fake graphs, planted faults included), watchdog and report; sanitize_case.py's case list and kernel configs
-(compiled offline for sm_90a); racecheck_filter.py's verdicts on racecheck and initcheck logs; ncu_source.py's
-summary of a source page; the sanitize.sh and run.sh wiring with stand-in tools."""
+"""The CPU side of the GPU tools (the lab's probes, gcmoe_lab.probes, and the shell runners in tools/gpu): soak's
+inputs, schedule, on-device check loop (run here on CPU tensors with fake graphs, planted faults included), watchdog
+and report; sanitize_case's case list and kernel configs (compiled offline for sm_90a); racecheck_filter's verdicts
+on racecheck and initcheck logs; ncu_source's summary of a source page; precompile's job lists; the sanitize.sh and
+run.sh wiring with stand-in tools."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -19,17 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from gcmoe_gemm_sm90.config import can_implement
+from gcmoe_lab.probes import ncu_source, precompile, racecheck_filter, sanitize_case, soak
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools" / "gpu"
-sys.path.insert(0, str(TOOLS))
-
-import ncu_source  # noqa: E402
-import precompile  # noqa: E402
-import racecheck_filter  # noqa: E402
-import sanitize_case  # noqa: E402
-import soak  # noqa: E402
-
-from gcmoe_gemm_sm90.config import can_implement  # noqa: E402
+PROBE = [sys.executable, "-m", "gcmoe_lab", "probe"]
 
 
 def _env(**extra) -> dict:
@@ -305,7 +300,7 @@ def test_report_is_written_once_even_with_two_writers(tmp_path):
 
 def test_soak_cli_help_and_list_run_on_a_cpu():
     for args in (["--help"], ["--list"]):
-        r = subprocess.run([sys.executable, str(TOOLS / "soak.py"), *args], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([*PROBE, "soak", *args], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
     assert all(u.name in r.stdout for u in soak.UNITS) and "empty_ranks" in r.stdout
     if not torch.cuda.is_available():
@@ -342,58 +337,10 @@ def test_sanitize_configs_fit_both_gemms_of_the_case_shape(kc):
 
 
 @pytest.mark.compile
-def test_stream_probe_compiles_for_sm90a_and_its_shapes_fit():
-    """stream_probe.py: the streaming pipeline compiles (bulk copies on mbarriers, no local memory) at the shallowest
-    and deepest depth it runs, and every shape's stages fit its occupancy's shared memory."""
-    import stream_probe
-
-    from gcmoe_core.cutedsl import sass_opcodes
-    from gcmoe_gemm_sm90.config import smem_limit
-
-    for _, ctas, windows, occupancy, stages, *_ in stream_probe.SHAPES:
-        assert ctas > 0 and windows > 0 and stages * stream_probe.WINDOW_BYTES + 1024 <= smem_limit(occupancy)
-    depths = {(sh[4], sh[3]) for sh in stream_probe.SHAPES}
-    chunked = next(sh for sh in stream_probe.SHAPES if len(sh) > 5)
-    for stages, occupancy, *chunks in (min(depths), max(depths), (chunked[4], chunked[3], chunked[5])):
-        k = stream_probe.compiled(stages, occupancy, *chunks, evict_first=bool(chunks))
-        ops = sass_opcodes(k.sass())
-        assert "UBLKCP.S.G" in ops and any(o.startswith("SYNCS.PHASECHK") for o in ops)
-        assert k.resources()["LOCAL"] == 0
-
-
-@pytest.mark.compile
-def test_l2_warm_probe_warmers_compile_to_their_accesses():
-    """l2_warm_probe.py: each warm-up kernel compiles for sm_90a to the access it names (per-line L2 prefetch, 16-byte
-    loads with / without hints, one per sector), none dropped as unused, no local memory; its shapes fit."""
-    import l2_warm_probe
-    import stream_probe
-
-    from gcmoe_core.cutedsl import sass_opcodes
-    from gcmoe_gemm_sm90.config import smem_limit
-
-    want = {
-        "line_prefetch": ("CCTL.E.PML2", 4),
-        "ld_hinted": ("LDG.E.NA.LTC128B.128.CONSTANT", 32),
-        "ld_plain": ("LDG.E.128", 32),
-        "ld_nc": ("LDG.E.128.CONSTANT", 32),
-        "ld_sector": ("LDG.E.128", 16),
-    }
-    assert set(want) == set(l2_warm_probe.WARMERS)
-    for name, (opcode, count) in want.items():
-        k = l2_warm_probe._warmer(name)
-        sass = k.sass()
-        assert [o for o in sass_opcodes(sass) if o.startswith(("LDG", "CCTL"))] == [opcode], name
-        assert len(re.findall(rf"\b{re.escape(opcode)}\b", sass)) == count, name  # 4 lines per step (unroll 4)
-        assert k.resources()["LOCAL"] == 0
-    for _, ctas, windows, occupancy, stages in l2_warm_probe.SHAPES:
-        assert ctas * windows > 0 and stages * stream_probe.WINDOW_BYTES + 1024 <= smem_limit(occupancy)
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("name", [*(f"ring-{n}" for n in sanitize_case.RING_CONFIGS), *sanitize_case.ROW_CONFIGS])
 def test_sanitize_configs_compile_for_sm90a(name):
     """Every forced configuration compiles as the case runs it (ring mode through the layer, or prepared rows)."""
-    from gcmoe_gemm_sm90.kernel_grouped import compiled
+    from gcmoe_gemm_sm90.ops import compiled
 
     ring = name.startswith("ring-")
     kc = sanitize_case.RING_CONFIGS[name[5:]] if ring else sanitize_case.ROW_CONFIGS[name]
@@ -404,9 +351,7 @@ def test_sanitize_configs_compile_for_sm90a(name):
 
 
 def test_sanitize_case_list_and_selection():
-    r = subprocess.run(
-        [sys.executable, str(TOOLS / "sanitize_case.py"), "--list"], capture_output=True, text=True, timeout=120
-    )
+    r = subprocess.run([*PROBE, "sanitize_case", "--list"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert [ln.split()[0] for ln in r.stdout.splitlines()] == [c.name for c in sanitize_case.CASES]
     assert [c.name for c in sanitize_case.select(["ring-*", "comm-p2"])] == [
@@ -427,14 +372,19 @@ def _tagged_line(path: Path) -> int:
     return i + 1
 
 
-SM90_GROUPED = ROOT / "packages/gcmoe-gemm-sm90/src/gcmoe_gemm_sm90/kernel_grouped.py"
-SYMBOL = "kernel_cutlass_kernel_gcmoe_gemm_sm90kernel_groupedGroupedGemmSm90_object_0"
+# the sm90 kernel source that carries racecheck-ordered tags (whichever module of the kernel holds its pipeline)
+SM90_GROUPED = next(
+    p
+    for p in sorted((ROOT / "packages/gcmoe-gemm-sm90/src/gcmoe_gemm_sm90").glob("kernel_grouped*.py"))
+    if racecheck_filter.TAGS["racecheck"] in p.read_text()
+)
+SYMBOL = f"kernel_cutlass_kernel_gcmoe_gemm_sm90{SM90_GROUPED.stem}GroupedGemmSm90_object_0"
 
 
 def _race(line_a: int, line_b: int) -> list[str]:
     return [
-        f"========= Error: Race reported between Write access at {SYMBOL}+0x1430 in kernel_grouped.py:{line_a}",
-        f"=========     and Read access at {SYMBOL}+0x1810 in kernel_grouped.py:{line_b} [1015808 hazards]",
+        f"========= Error: Race reported between Write access at {SYMBOL}+0x1430 in {SM90_GROUPED.name}:{line_a}",
+        f"=========     and Read access at {SYMBOL}+0x1810 in {SM90_GROUPED.name}:{line_b} [1015808 hazards]",
         "=========",
     ]
 
@@ -538,60 +488,6 @@ def test_run_sh_soak_step_reaches_the_soak_script(tmp_path):
     assert "    benchmark)" in text and "test_bench_layer.py" in text and "--benchmark-json" in text
 
 
-def test_schedule_probe_queues_cover_every_window_once_and_order_w2_after_its_w1():
-    """schedule_probe.py's queues: every W1 / W2 window record exactly once per order; W2 units wait for (and only
-    they wait for) their expert, W1 units count in theirs; two_launch puts W2 in a launch of its own with nothing to
-    wait for; interleaved claims W2(e) only after all of W1(e) and W1(e + 1)."""
-    import schedule_probe
-
-    for shape in schedule_probe.SHAPES:
-        _, experts, mt1, nw1, mt2, nw2 = shape
-        w1_records = experts * mt1 * nw1
-        records = w1_records + experts * mt2 * nw2
-        for order in ("two_launch", "w1_then_w2", "interleaved"):
-            for unit in (1, 3, 8):
-                launches = schedule_probe.queue(shape, order, unit)
-                covered = [r + i for q in launches for r, n, _, _ in q for i in range(n)]
-                assert sorted(covered) == list(range(records)), (shape[0], order, unit)
-                for q in launches:
-                    for r, n, wait_e, count_e in q:
-                        assert 1 <= n <= unit
-                        if r < w1_records:  # a W1 unit: counts in its expert, waits for nothing
-                            assert (wait_e, count_e) == (-1, r // (mt1 * nw1))
-                        else:
-                            want = -1 if order == "two_launch" else (r - w1_records) // (mt2 * nw2)
-                            assert (wait_e, count_e) == (want, -1)
-                if order == "two_launch":
-                    assert len(launches) == 2 and all(r >= w1_records for r, *_ in launches[1])
-                if order == "interleaved":
-                    (q,) = launches
-                    last_w1 = {e: max(i for i, u in enumerate(q) if u[3] == e) for e in range(experts)}
-                    for i, (_, _, wait_e, _) in enumerate(q):
-                        if wait_e >= 0:
-                            assert i > last_w1[wait_e] and (wait_e + 1 >= experts or i > last_w1[wait_e + 1])
-
-
-@pytest.mark.compile
-def test_schedule_probe_compiles_for_sm90a():
-    """schedule_probe.py's persistent kernel: bulk copies into stages on mbarriers, the claim counter's atomic, a W2
-    unit's bounded acquire spin (nanosleep), no local memory; its stages fit two CTAs per SM."""
-    import schedule_probe
-    import stream_probe
-
-    from gcmoe_core.cutedsl import sass_opcodes
-    from gcmoe_gemm_sm90.config import smem_limit
-
-    for prefill in (False, True):  # the producer waits for a W2 unit's expert, or its consumers do
-        k = schedule_probe.compiled(5, prefill=prefill)
-        ops = sass_opcodes(k.sass())
-        assert "UBLKCP.S.G" in ops and any(o.startswith("SYNCS.PHASECHK") for o in ops)
-        assert any(o.startswith("ATOMG.E.ADD") for o in ops) and any(o.startswith("LDG.E.STRONG.GPU") for o in ops)
-        assert "NANOSLEEP" in ops and k.resources()["LOCAL"] == 0
-    assert smem_limit(2) >= 5 * stream_probe.WINDOW_BYTES + 1024
-    with pytest.raises(ValueError, match="stages"):
-        schedule_probe.ScheduleProbe(16)
-
-
 # ------------------------------------------------------------------------------------------------ precompile
 def test_precompile_lists_the_layers_kernels_and_the_ring_tests_variants(capsys):
     """precompile.py --list (CPU): per model and T, W1 and W2 in ring mode with the configuration the layer's bucket
@@ -618,8 +514,8 @@ def test_precompile_lists_the_layers_kernels_and_the_ring_tests_variants(capsys)
 
 
 def test_precompile_kernels_bench_jobs_are_the_bench_configs(capsys):
-    """--kernels-bench: per T, W1 and W2 as gcmoe_gemm_sm90.bench launches them (prepared rows, not ring mode; the
-    routed experts of the EP slice: MoESm90.config_for = layer_config of that shape)."""
+    """--kernels-bench: per T, W1 and W2 as the kernel bench (bench_sm90) launches them (prepared rows, not ring
+    mode; the routed experts of the EP slice: MoESm90.config_for = layer_config of that shape)."""
     from gcmoe_core.config import MoEConfig
     from gcmoe_gemm_sm90.ops import layer_config
 
@@ -634,26 +530,9 @@ def test_precompile_kernels_bench_jobs_are_the_bench_configs(capsys):
     assert len(out) == 4 and sum("ring=False" in line for line in out) == 2
 
 
-def test_precompile_half_variants_and_the_grouped_tests_configs():
-    """--half: split_sweep's half-tile variants of each bucket (half_variants), only configurations the kernel takes;
-    --test-variants: exactly the configurations test_grouped_gpu.py runs (grouped_config), skipped pairs left out."""
-    from gcmoe.backends.sm90 import ring_kernel_config
-    from gcmoe_gemm_sm90.config import choose_config
-    from gcmoe_gemm_sm90.ops import layer_config
-
-    split = choose_config(1, 6, 32, 4096, 2048, shared=1)  # V4-Flash T = 1: K splits (2, 2)
-    v = precompile.half_variants(split, 4096, 2048)
-    assert split.splits == (2, 2) and list(v) == ["halves_unsplit"]
-    hu = v["halves_unsplit"]
-    assert hu.splits == (1, 1) and hu.w1_half and hu.w2_half and not hu.stream_k and hu.expert_sync
-    n80 = choose_config(256, 8, 32, shared=1)  # DeepSeek-V3 T = 256: both halves chosen at N 80
-    assert n80.n_tile == 80 and n80.w1_half and n80.w2_half
-    assert list(precompile.half_variants(n80, 7168, 2048)) == ["flipped"]
-    oss = layer_config(256, 4, 16, 3072, 2944, 0, epilogue={"activation": "swiglu_clamped", "bias": True})
-    assert oss.n_tile == 80 and oss.w1_half and not oss.w2_half  # W2's bias epilogue: whole tiles above N 64
-    assert not any(c.w2_half for c in precompile.half_variants(oss, 3072, 2944).values())
-    jobs = precompile.layer_jobs("deepseek-v4-flash", 8, [1], half=True)
-    assert ("w1", 4096, 4096, ring_kernel_config(hu)) in jobs
+def test_precompile_grouped_tests_configs():
+    """--test-variants: exactly the configurations test_grouped_gpu.py runs (grouped_config), skipped pairs left
+    out."""
     mod = precompile._load(precompile.RING_TESTS)
     grouped = precompile.grouped_test_jobs(["*half"])
     want = [

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# `gcmoe bench` on the device machine, with the peers when they are there; results under $OUT:
+# `gcmoe-lab bench` on the device machine, with the peers when they are there; results under $OUT:
 # bench.json, bench.md, bench.png, bench.log (+ peer_dg/ logs of DeepGEMM's build and self-test).
 #
 #   here, once:   cp -r ../shared/peers .peers                  (git-ignored: carry it, with the CuTe DSL wheels)
-#   device call:  source .gpu-wheels/b/install.sh && bash tools/gpu/bench.sh [gcmoe bench options...]
+#   device call:  source .gpu-wheels/b/install.sh && bash tools/gpu/bench.sh [gcmoe-lab bench options...]
 #                 (carry [".gpu-wheels/b", ".peers"] on a fresh machine; see docs on the CuTe DSL wheels)
 #   peers only:   bash tools/gpu/bench.sh --setup-peers-only    (DeepGEMM's build + JIT cache stay on the warm machine)
 #
@@ -33,6 +33,6 @@ if [ -f "$DG" ]; then
   fi
 fi
 [ "${1:-}" = "--setup-peers-only" ] && exit 0
-python3 -m gcmoe.cli bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" "$@" 2>&1 \
+python3 -m gcmoe_lab bench --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" "$@" 2>&1 \
   | tee "$OUT/bench.log"
 exit "${PIPESTATUS[0]}"

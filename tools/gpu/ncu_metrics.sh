@@ -8,6 +8,6 @@ metrics+=,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active
 metrics+=,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active
 metrics+=,smsp__warps_active.avg.per_cycle_active,smsp__inst_executed.sum
 metrics+=,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio
-# the layer's W1 and W2 under tools/gpu/ncu_layer.py: two consecutive GEMM launches past its first calls' (one W1 and
-# one W2, in either order; ncu_source.py tells them apart by W2's bf16 stores)
+# the layer's W1 and W2 under the ncu_layer probe: two consecutive GEMM launches past its first calls' (one W1 and
+# one W2, in either order; the ncu_source probe tells them apart by W2's bf16 stores)
 layer_gemms=(--kernel-name regex:gcmoe_gemm --launch-skip 4 --launch-count 2)

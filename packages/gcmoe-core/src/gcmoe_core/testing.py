@@ -1,4 +1,4 @@
-"""Helpers the tests of every package share: GEMM error metrics, poisoning, and random MoE problems.
+"""Helpers the tests of every package share: GEMM error metrics, poisoning, random MoE problems and graph capture.
 
 calc_diff(x, y) = 1 - 2<x, y> / (|x|^2 + |y|^2) in float64 (0 when equal; the DeepGEMM metric): thresholds are
 <= 1e-3 against a reference that emulates the same quantisation.
@@ -6,6 +6,7 @@ calc_diff(x, y) = 1 - 2<x, y> / (|x|^2 + |y|^2) in float64 (0 when equal; the De
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,28 @@ def first_mismatch(a: torch.Tensor, b: torch.Tensor) -> str:
     idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), a.shape))
     va, vb = a.reshape(-1)[i].float().item(), b.reshape(-1)[i].float().item()
     return f"{ne.numel()} element(s) differ; first at {idx}: {va} vs {vb}"
+
+
+def capture_graph(
+    fn: Callable[[], object],
+    warmup: int = 1,
+    device: torch.device | None = None,
+    stream: torch.cuda.Stream | None = None,
+):
+    """(graph, what fn returned while captured). fn runs `warmup` times on a side stream first, so allocations,
+    lazy initialisation and JIT compiles stay out of the graph; replaying the graph re-runs fn's device work.
+    stream: warm up and capture on it (a green-context stream: the captured kernels keep its SM partition)."""
+    s = stream or torch.cuda.Stream(device=device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        out = fn()
+    return g, out
 
 
 ROUTINGS = ("uniform", "one_expert", "half_empty")

@@ -3,10 +3,11 @@
 gcmoe info  [--json]                    versions, GPU arch and SMs, green-context facts, runnable backends
 gcmoe demo  [--model M] [--ep 8] [--tokens 4] [--backend B] [--json]
                                         one decode step of a model-shaped layer on the best backend, checked
-gcmoe bench [--models ...] [--tokens ...] [--variants ...] [--iters N] [--json PATH] [--markdown PATH] [--plot PATH]
-                                        the layer (partitioned / sequential / eager), torch FP8 and the peers side by
-                                        side: interleaved, cold L2, medians, next to the FP4 floor (gcmoe.bench)
-gcmoe tune  ...                         measure and cache the comm partition size per shape (gcmoe.tune)
+gcmoe bench ...                         = gcmoe-lab bench ...: the layer, torch FP8 and the peers side by side
+gcmoe tune  ...                         = gcmoe-lab tune ...: measure and cache the comm partition size per shape
+
+bench and tune live in the gcmoe-lab package (benchmarks beside the product, never inside it): these two entries
+import it only when called and hand it their arguments; without it they say how to install it (exit code 2).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
+import time
 from importlib import metadata
 
 import torch
@@ -22,6 +25,10 @@ import torch
 from gcmoe_core.cutedsl import dsl_version
 
 PACKAGES = ("gcmoe", "gcmoe-core", "gcmoe-greenctx", "gcmoe-comm", "gcmoe-gemm-sm90", "gcmoe-gemm-sm103")
+LAB_COMMANDS = {
+    "bench": "the layer, torch FP8 and the peers side by side (gcmoe-lab bench; needs gcmoe-lab)",
+    "tune": "measure and cache the comm partition size per model shape (gcmoe-lab tune; needs gcmoe-lab)",
+}
 
 
 def _version(dist: str) -> str | None:
@@ -96,6 +103,28 @@ def _print_info(d: dict) -> None:
         print(f"backend {name}: {st}")
 
 
+def _median_us(fn, iters: int, device: torch.device, warmup: int) -> float:
+    """Median µs of `iters` eager calls after `warmup` ones: CUDA events on a GPU, wall clock on a CPU."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
 def demo(
     model: str, ep: int, tokens: int, backend: str | None, seed: int, device: str | None, shape: str | None = None
 ) -> dict:
@@ -104,7 +133,6 @@ def demo(
     from gcmoe_core.config import MoEConfig
     from gcmoe_core.reference import moe_reference_loop_fp64
     from gcmoe_core.testing import calc_diff, make_tokens, make_weights
-    from gcmoe_core.timing import time_cpu, time_gpu
 
     from .layer import MoELayer
 
@@ -126,9 +154,8 @@ def demo(
     x, ids, w = make_tokens(cfg, tokens, seed=seed + 1, device=dev)
     steps.set_postfix_str("run")
     y = layer(x, ids, w)
-    run = lambda: layer(x, ids, w)
-    timing = time_gpu(run, iters=20, graph=False, cold_l2=False, device=dev) if dev.type == "cuda" else time_cpu(run, 2)
-    secs = timing["median_us"] * 1e-6
+    gpu = dev.type == "cuda"
+    secs = _median_us(lambda: layer(x, ids, w), 20 if gpu else 2, dev, warmup=4 if gpu else 1) * 1e-6
     steps.update()
     steps.set_postfix_str("check")
     ref = moe_reference_loop_fp64(x, ids, w, weights)
@@ -149,15 +176,17 @@ def demo(
     }
 
 
-def _tune_module():
-    """gcmoe.tune when it is there (None only when the module itself is absent; its own import errors raise)."""
+def lab(command: str, args: list[str]) -> int:
+    """`gcmoe bench` / `gcmoe tune`: gcmoe-lab's command with these arguments; 2 with one line when the lab is not
+    installed."""
     try:
-        from . import tune
+        from gcmoe_lab.cli import run
     except ModuleNotFoundError as e:
-        if e.name == f"{__package__}.tune":
-            return None
-        raise
-    return tune if hasattr(tune, "add_cli") and hasattr(tune, "run_cli") else None
+        if e.name != "gcmoe_lab" and not (e.name or "").startswith("gcmoe_lab."):
+            raise
+        print(f"gcmoe {command} needs gcmoe-lab: pip install gcmoe-lab / uv sync --package gcmoe-lab", file=sys.stderr)
+        return 2
+    return run(command, args, prog=f"gcmoe {command}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,56 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--device", default=None)
     p_demo.add_argument("--seed", type=int, default=0)
     p_demo.add_argument("--json", action="store_true")
-    from . import bench
-
-    p_bench = sub.add_parser(
-        "bench", help="the layer, torch FP8 and the peers side by side over model shapes and token counts"
-    )
-    p_bench.add_argument(
-        "--models",
-        nargs="+",
-        default=None,
-        help=f"models, each as its EP slice, or custom:H,I,E,top_k,shared (default: {' '.join(bench.MODELS)}; "
-        f"CPU: {' '.join(bench.CPU_MODELS)})",
-    )
-    p_bench.add_argument(
-        "--tokens",
-        nargs="+",
-        type=int,
-        default=None,
-        help=f"token counts per rank (default: {' '.join(map(str, bench.TOKENS))}; "
-        f"CPU: {' '.join(map(str, bench.CPU_TOKENS))})",
-    )
-    p_bench.add_argument("--ep", type=int, default=8, help="expert parallelism the rank is a slice of")
-    p_bench.add_argument("--backend", default=None, help="the gcmoe layer's backend (default: auto)")
-    p_bench.add_argument(
-        "--variants",
-        nargs="+",
-        default=None,
-        choices=list(bench.VARIANTS),
-        metavar="VARIANT",
-        help=f"what to time, of {' '.join(bench.VARIANTS)} (default: all on a GPU, {' '.join(bench.CPU_VARIANTS)} "
-        "on a CPU)",
-    )
-    p_bench.add_argument(
-        "--iters",
-        type=int,
-        default=None,
-        help=f"timed runs per variant and point (default {bench.GPU_ITERS}; CPU {bench.CPU_ITERS})",
-    )
-    p_bench.add_argument(
-        "--l2-flush",
-        default=bench.L2_FLUSH,
-        choices=list(bench.L2_FLUSHES),
-        help=f"how L2 is made cold before each run: write (dirty lines left, as triton's and DeepGEMM's benchmarks) or "
-        f"read (clean lines, as after a decode step's attention); default {bench.L2_FLUSH}",
-    )
-    p_bench.add_argument("--json", metavar="PATH", default=None, help="also write the records as JSON to PATH")
-    p_bench.add_argument("--markdown", metavar="PATH", default=None, help="also write a markdown table to PATH")
-    p_bench.add_argument("--plot", metavar="PATH", default=None, help="also write a PNG plot (time / floor vs T)")
-    tune = _tune_module()
-    if tune is not None:
-        tune.add_cli(sub)
+    for name, what in LAB_COMMANDS.items():
+        sub.add_parser(name, help=what, add_help=False)  # (gcmoe-lab parses their arguments: lab)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in LAB_COMMANDS:
+        return lab(argv[0], argv[1:])
     args = ap.parse_args(argv)
 
     if args.cmd == "info":
@@ -240,27 +224,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  time:    {r['time_us']:.1f} us (median)")
             print(f"  check:   calc_diff = {r['calc_diff']:.3e} vs the {r['check']} -> {'OK' if r['ok'] else 'FAIL'}")
         return 0 if r["ok"] else 1
-    if args.cmd == "bench":
-        try:
-            bench.validate(args.models, args.tokens, args.variants, args.ep)
-        except ValueError as e:
-            print(e, file=sys.stderr)
-            return 2
-        return bench.run_bench(
-            args.models,
-            args.tokens,
-            ep=args.ep,
-            backend=args.backend,
-            variants=args.variants,
-            iters=args.iters,
-            json_path=args.json,
-            md_path=args.markdown,
-            plot_path=args.plot,
-            l2_flush=args.l2_flush,
-            argv=sys.argv[1:] if argv is None else argv,
-        )
-    if args.cmd == "tune" and tune is not None:
-        return tune.run_cli(args)
     return 2
 
 
