@@ -87,13 +87,13 @@ class Launched(Exception):
 
 def test_bias_operands_go_with_cfg_bias(monkeypatch):
     monkeypatch.setenv("GCMOE_ARCH", "sm_90a")
-    import gcmoe_gemm_sm90.kernel_grouped as kg
+    import gcmoe_gemm_sm90.ops as ops
     from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
 
     def not_compiled(*args, **kwargs):
         raise Launched(args[0])
 
-    monkeypatch.setattr(kg, "compiled", not_compiled)
+    monkeypatch.setattr(ops, "compiled", not_compiled)
     x, ids, w, weights, _ = make_problem(Case(CFG.replace(has_bias=False), 5, seed=1))
     moe = MoESm90.from_weights(_biased(weights, 1), act=Activation.of(CFG))
     cfg = replace(moe.config_for(5, 2), n_tile=8, prefetch=2)

@@ -1,7 +1,8 @@
 """Offline (CPU) compile of the grouped W1/W2 kernels for sm_90a: register-A QGMMA present, no local memory, the
-weights streamed by bulk copy into shared memory + 16-byte shared loads, the WGMMAs pipelined; in ring mode the
-bounded acquires of the comm signals (ld.acquire + %globaltimer) and W2's bf16 stores through the peer table; the
-gpt-oss epilogue variants (clamped SwiGLU, biases) on its padded shapes, and their flags off unless asked for."""
+weights streamed by bulk copy into shared memory + 16-byte shared loads, the WGMMAs pipelined, programmatic dependent
+launch; in ring mode the bounded acquires of the comm signals (ld.acquire + %globaltimer) and W2's bf16 stores through
+the peer table; the gpt-oss epilogue variants (clamped SwiGLU, biases) on its padded shapes, and their flags off
+unless asked for."""
 
 import itertools
 import re
@@ -85,7 +86,7 @@ VARIANTS += GPT_OSS_VARIANTS
     ),
 )
 def test_grouped_kernel_sass(mode, m, k, cfg):
-    from gcmoe_gemm_sm90.kernel_grouped import compiled
+    from gcmoe_gemm_sm90.ops import compiled
 
     kern = compiled(mode, m, k, cfg, "sm_90a")
     sass = kern.sass()
@@ -102,8 +103,13 @@ def test_grouped_kernel_sass(mode, m, k, cfg):
     if cfg.ring:  # bounded acquires of the comm signals: acquire loads polled against %globaltimer, a nanosleep
         assert any(o.startswith("LDG.E.STRONG.GPU") for o in ops) and "NANOSLEEP" in ops
         assert any(o.startswith("CS2R") for o in ops) or "S2UR" in ops
-        if cfg.pdl and mode == "w1":  # the ring's tags, not the grid dependency, order W1's reads
+        if mode == "w1":  # the ring's tags, not the grid dependency, order W1's reads
             assert "griddepcontrol.wait" not in kern.ptx and "griddepcontrol.launch_dependents" in kern.ptx
+    # programmatic dependent launch, always on: every kernel lets its dependents launch; W1 on prepared rows and W2
+    # without per-expert W1_DONE tags wait for their producer grid
+    assert "griddepcontrol.launch_dependents" in kern.ptx
+    waits = not cfg.ring if mode == "w1" else not (cfg.ring and cfg.expert_sync)
+    assert ("griddepcontrol.wait" in kern.ptx) == waits
     if mode == "w2":  # bf16 stores at addresses from the combine peer table, not through a tensor of the output
         assert any(o.startswith("STG.E.U16") for o in ops)
     # the WGMMAs are pipelined: one wait per window (8 QGMMAs, 4 with 4 warpgroups) and the drain, not one after each
@@ -136,7 +142,8 @@ def test_tile_loads_are_issued_together_not_one_round_trip_each():
     their stores; W1's epilogue reads the routing weights staged in shared memory with the scales (no global load);
     the prologue's turns do not grow with N (the layer 1.03-1.04x faster at T = 128 / 256, bit-identical; H200,
     2026-12-01, docs/benchmarks/epilogue-loads-h200-2026-12-01.md)."""
-    from gcmoe_gemm_sm90.kernel_grouped import EPI_COLS, compiled
+    from gcmoe_gemm_sm90.kernel_grouped_epilogue import EPI_COLS
+    from gcmoe_gemm_sm90.ops import compiled
 
     turns = {}
     for t in (8, 128, 256):  # N 8, 48 (4 warpgroups), 80
@@ -164,7 +171,8 @@ def test_epilogue_flags_are_off_by_default_and_add_code_only_when_set():
     are today's (their by-value words too: SIG_WORDS); set, W1 reads its b13 entries and clamps (more FMNMX, two
     more fp32 loads per subtile), W2 reads the rows' routing weights and b2 (more global loads), same registers
     budget and no spills (test_grouped_kernel_sass)."""
-    from gcmoe_gemm_sm90.kernel_grouped import SIG_WORDS, compiled, sig_words
+    from gcmoe_gemm_sm90.kernel_grouped_common import SIG_WORDS, sig_words
+    from gcmoe_gemm_sm90.ops import compiled
 
     for t in (1, 2, 8, 32, 128, 256):
         for args in ((8, 32, 7168, 2048), (4, 16, 3072, 2944), (4, 32, 3072, 2944), (6, 32, 4096, 2048)):

@@ -13,12 +13,13 @@ import torch
 
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.formats import quantize_fp8_e4m3_1x128
-from gcmoe_core.grouping import Activations, RowLayout, group_rows, prepare_activations
+from gcmoe_core.grouping import Activations, RowLayout, group_rows, grouped_forward, prepare_activations
 from gcmoe_core.reference import MoEWeights, moe_reference
 from gcmoe_core.signals import ERR_FAILED, KIND_BLOCK, KIND_OFFS, KIND_RECV, KIND_W1
 from gcmoe_core.testing import (
     Case,
     calc_diff,
+    capture_graph,
     cosine,
     first_mismatch,
     make_problem,
@@ -26,7 +27,6 @@ from gcmoe_core.testing import (
     make_weights,
     poison_,
 )
-from gcmoe_core.timing import capture_graph
 from gcmoe_gemm_sm90.config import Sm90Config
 from gcmoe_gemm_sm90.ops import (
     MoESm90,
@@ -65,10 +65,12 @@ def _assert_w1_matches_model(hq, hsT, eq, es, valid):
 
 
 def sm90_layer(moe: MoESm90, x, ids, w):
-    """The whole layer on the sm90 kernels: the benchmark's pipeline on prepared rows around w1 / w2."""
-    from gcmoe_gemm_sm90.bench import layer_for
-
-    return layer_for(moe, x, w, ids, moe.config_for(*ids.shape))
+    """The whole layer on the sm90 kernels on prepared rows (gcmoe_core.grouping.grouped_forward around w1 / w2):
+    routing metadata, FP8 quantisation, W1, W2, slot combine; -> y bf16 [T, H]."""
+    c = moe.config_for(*ids.shape)
+    run_w1 = lambda acts, lay: w1(moe.w13, acts, lay, c)
+    run_w2 = lambda hq, hs, lay, out: w2(moe.w2, hq, hs, lay, out, c)
+    return grouped_forward(x, ids, w, moe.num_routed, moe.num_shared, c.n_tile, moe.hidden, run_w1, run_w2)
 
 
 VARIANTS = {  # weights by bulk copy into the pipeline's stages (the only weight stream)

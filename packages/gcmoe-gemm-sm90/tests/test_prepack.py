@@ -10,22 +10,75 @@ import torch
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.formats import quantize_mxfp4, random_mxfp4
 from gcmoe_core.grouping import group_rows, grouped_forward
+from gcmoe_core.layouts import gate_up_permutation, inverse_permutation
 from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import Case, make_problem
 from gcmoe_gemm_sm90.config import LUT_PAIR_BYTES, Sm90Config, can_implement, choose_config
 from gcmoe_gemm_sm90.ops import MoESm90, emulate_w1, emulate_w2, layer_config
 from gcmoe_gemm_sm90.prepack import (
+    GATE_UP_GROUP,
     MAX_DD,
-    decode_prepacked_reference,
+    PackedSm90,
     effective_weights_sm90,
     lut_pair_words,
     lut_words,
     make_records,
     prepack_sm90,
     record_dd,
+    record_pair,
+    sign_layout,
     split_scales,
+    thread_rows_cols,
     unpack_sm90,
 )
+
+
+def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
+    """What the kernel's decode computes, replayed in torch from the prepacked bytes alone (bit-exact model of the
+    register path: nibble selection, the pair table's entry at the record's offset, sign, row scale), in logical row
+    order: fp32 [E, M, K].
+    (The sign bits are read back from their split-sign positions first: decode_ptx models the PTX itself.)"""
+    e, mt, nw = p.data.shape[:3]
+    table = lut_pair_words().to(p.data.device).to(torch.int64) & 0xFFFFFFFF  # [256, 4]
+    words = sign_layout(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 4, 4)  # [.., half, tw, word, 4 B]
+    words = words.to(torch.int64)
+    word = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [.., half, tw, 4]
+    rec, rsc = split_scales(p)  # [E, MT, W, 128 words], [E, MT, 256 rows]
+    out = torch.empty(e, mt, nw, 2, 2, 64, 128, dtype=torch.float32, device=p.data.device)  # [.., j, s, row, k]
+    r0, tt = thread_rows_cols()
+    for half in range(2):
+        for si in range(2):
+            step = 2 * half + si
+            for u in range(2):
+                wv = word[:, :, :, :, :, half, :, 2 * si + u]  # [E, MT, W, j, s, tw]
+                cta_row = (
+                    torch.arange(2).view(2, 1, 1) * 128
+                    + torch.arange(2).view(1, 2, 1) * 64
+                    + (r0 + 8 * u).view(1, 1, 128)
+                ).to(p.data.device)  # [j, s, tw]
+                rword = (
+                    torch.arange(2).view(2, 1, 1) * 64
+                    + torch.arange(2).view(1, 2, 1) * 32
+                    + (r0 // 16 * 8 + r0 % 8).view(1, 1, 128)
+                ).to(p.data.device)  # [j, s, tw]: the thread's record word
+                rs = rsc[:, :, cta_row].unsqueeze(2)  # [E, MT, 1, j, s, tw]
+                entry = table[record_pair(rec[:, :, :, rword], u, half)]  # [.., tw, 4 words]: LUT[dd_2h], LUT[dd_2h+1]
+                for nib in range(8):
+                    code = (wv >> (4 * nib)) & 0xF
+                    lut_word = entry.gather(-1, (2 * si + (code & 7) // 4).unsqueeze(-1)).squeeze(-1)
+                    mag = (lut_word >> (8 * (code & 3))) & 0xFF
+                    byte = mag | ((code & 8) << 4)
+                    val = byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
+                    val = val * rs
+                    kk = 32 * step + (4 * tt + nib if nib < 4 else 16 + 4 * tt + nib - 4).to(p.data.device)
+                    rows = (r0 + 8 * u).to(p.data.device)
+                    out[:, :, :, :, :, rows, kk] = val  # (row, k) pairs per thread
+    # out: [E, MT, W, j, s, 64, 128] -> [E, M, K] in prepacked row order
+    full = out.permute(0, 1, 3, 4, 5, 2, 6).reshape(e, p.m, p.k)
+    if p.gate_up:
+        inv = inverse_permutation(gate_up_permutation(p.m // 2, GATE_UP_GROUP, full.device))
+        full = full[:, inv]
+    return full
 
 
 @pytest.mark.parametrize("gate_up", [False, True])
@@ -270,7 +323,7 @@ def test_launch_argument_checks_raise_before_any_launch(monkeypatch):
     no GPU; the compile step is replaced by a sentinel that a well-formed call reaches); a K split that does not
     divide the windows is refused by can_implement when the variant is compiled, before any launch."""
     monkeypatch.setenv("GCMOE_ARCH", "sm_90a")  # (no GPU here: the arch the launch would compile for)
-    import gcmoe_gemm_sm90.kernel_grouped as kg
+    import gcmoe_gemm_sm90.ops as ops
     from gcmoe_core.grouping import prepare_activations
     from gcmoe_gemm_sm90.ops import RingSync, launch_w1, launch_w2, w1, w2
 
@@ -305,7 +358,7 @@ def test_launch_argument_checks_raise_before_any_launch(monkeypatch):
     def not_compiled(*args, **kwargs):
         raise Launched(args[0])
 
-    monkeypatch.setattr(kg, "compiled", not_compiled)
+    monkeypatch.setattr(ops, "compiled", not_compiled)
     w1_cases = {
         "hq / hsT must be": [
             dict(hq=hq[:, :128]),
@@ -362,36 +415,6 @@ def test_launch_argument_checks_raise_before_any_launch(monkeypatch):
             call()
 
 
-def test_bench_variants_are_valid_configs():
-    """Every benchmark ablation is a configuration the kernels accept for both GEMMs of a model shape (or does not
-    apply), and differs from the chosen one."""
-    from gcmoe_gemm_sm90.bench import VARIANTS, variant_config
-
-    for tokens in (1, 8, 32, 128, 256):
-        chosen = choose_config(tokens, 8, 32, 7168, 2048)
-        for name in VARIANTS:
-            cfg = variant_config(name, chosen, 7168, 2048)
-            if cfg is None:
-                continue
-            assert cfg != chosen, name
-            for (m, k), sp in zip(((4096, 7168), (7168, 2048)), cfg.splits, strict=True):
-                assert can_implement(m, k, 32, cfg, splits=sp) is None, (name, tokens, cfg)
-    with pytest.raises(ValueError, match="unknown variant"):
-        variant_config("n12", choose_config(8, 8, 32), 7168, 2048)
-    # half tiles follow choose_config's rule (an SM held alone: occupancy 1) and half_tiles_ok (W2's bias epilogue
-    # stays whole above N 64); wg2 is whole 2-warpgroup tiles
-    n64 = choose_config(256, 6, 32, 4096, 2048)
-    assert n64.w1_half and n64.w2_half
-    n80 = variant_config("n80", n64, 4096, 2048)
-    assert n80.w1_half and n80.w2_half
-    for name in ("wg2", "n16"):
-        c = variant_config(name, n64, 4096, 2048)
-        assert not (c.w1_half or c.w2_half), name
-    oss = layer_config(128, 4, 16, 3072, 2944, 0, epilogue={"activation": "swiglu_clamped", "bias": True})
-    v = variant_config("n80", oss, 3072, 2944)
-    assert oss.w2_half and v.w1_half and not v.w2_half
-
-
 def test_shared_w1_ranges_cover_each_shared_experts_w1_and_nothing_else():
     """The prefetch's ranges: per shared expert (appended after the routed ones) its W1 weights and scale records,
     each the contiguous bytes of that expert in the prepacked tensors; none for a layer without shared experts."""
@@ -414,3 +437,46 @@ def test_shared_w1_ranges_cover_each_shared_experts_w1_and_nothing_else():
     for bad in ([], [(16, 8)], [(8, 16)], [(16, 0)], [(16, 16)] * 9):
         with pytest.raises(ValueError, match="prefetch_l2"):
             prefetch_l2(bad)
+
+
+def test_each_gemm_runs_the_schedule_its_config_names():
+    """config.schedule_of names one schedule per (GEMM, config) and ops.kernel_class picks its kernel class (one file
+    each); a class refuses a config of another schedule, so no config compiles into a schedule it did not ask for."""
+    from gcmoe_gemm_sm90.config import schedule_of
+    from gcmoe_gemm_sm90.kernel_grouped import GroupedGemmSm90
+    from gcmoe_gemm_sm90.kernel_grouped_half import GroupedGemmHalfSm90
+    from gcmoe_gemm_sm90.kernel_grouped_stream_k import GroupedGemmStreamKSm90
+    from gcmoe_gemm_sm90.ops import kernel_class
+
+    classes = {"whole": GroupedGemmSm90, "half": GroupedGemmHalfSm90, "stream_k": GroupedGemmStreamKSm90}
+    whole = Sm90Config(n_tile=16, prefetch=2)
+    cases = [
+        (whole, "whole", "whole"),
+        (replace(whole, stream_k=True), "stream_k", "whole"),  # stream_k is W1's: W2 runs whole tiles
+        (replace(whole, n_tile=48, warpgroups=4, w1_half=True), "half", "whole"),
+        (replace(whole, n_tile=48, warpgroups=4, w2_half=True), "whole", "half"),
+        (replace(whole, stream_k=True, w2_half=True), "stream_k", "half"),
+    ]
+    for cfg, w1_schedule, w2_schedule in cases:
+        for mode, m, k, want in (("w1", 4096, 7168, w1_schedule), ("w2", 7168, 2048, w2_schedule)):
+            assert schedule_of(mode, cfg) == want, (mode, cfg)
+            cls = kernel_class(mode, cfg)
+            assert cls is classes[want] and cls.schedule == want
+            assert cls(mode, m, k, cfg).stream_k == (want == "stream_k")
+            for other in set(classes.values()) - {cls}:
+                with pytest.raises(ValueError, match="schedule"):
+                    other(mode, m, k, cfg)
+    # a DeepSeek-V3 EP8 rank's W1 runs all three: stream_k at T = 1, whole tiles at T = 8, half tiles at T = 128
+    assert [schedule_of("w1", choose_config(t, 8, 32, shared=1)) for t in (1, 8, 128)] == ["stream_k", "whole", "half"]
+
+
+def test_packed_weights_own_their_decode_tables():
+    """The decode tables the kernels read belong to the prepacked weights (made with them, on their device): no
+    module-global device state in the package."""
+    import gcmoe_gemm_sm90.ops as ops
+
+    p = prepack_sm90(random_mxfp4((2, 256, 256), torch.Generator().manual_seed(3)))
+    assert torch.equal(p.lut, lut_pair_words().reshape(-1)) and p.lut.device == p.data.device
+    moved = replace(p, data=p.data.to("meta"), scales=p.scales.to("meta"))  # (a replace onto another device)
+    assert moved.lut.device == moved.data.device
+    assert not [n for n, v in vars(ops).items() if isinstance(v, dict) and n.isupper()], "a module-global table"

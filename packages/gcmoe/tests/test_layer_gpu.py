@@ -383,7 +383,7 @@ def test_roles_keep_their_partitions_inside_a_callers_capture(monkeypatch):
 )
 def test_first_call_inside_a_callers_capture_on_a_fresh_stream(cfg, comm_sms):
     """A layer whose very first call is captured (torch.cuda.graph's default global capture mode) on a stream it never
-    ran on: its lane is made under the capture (found 2026-11-30 by gcmoe-lab multigpu bench: the lane's kernel loads
+    ran on: its lane is made under the capture (the multi-GPU bench found that the lane's kernel loads
     synchronised a stream during a capture and invalidated it) and the bucket's GEMMs are loaded outside it, into
     every context they launch in (a first launch inside the capture loaded the module there and invalidated it:
     found the same day), and the replay equals an eager call."""

@@ -1,16 +1,12 @@
 """L2 prefetch of byte ranges for sm_90a: the layer's shared-expert W1 weights, beside its comm kernels.
 
 At small T a layer call starts with its comm kernels (publish, dispatch: chains of dependent round trips that read a
-few KB) and W1 launches ~7 µs in (H200): HBM idles meanwhile. The shared experts' W1 weights are read by every call
+few KB) and W1 launches only after them: HBM idles meanwhile. The shared experts' W1 weights are read by every call
 and known before it starts, so the layer prefetches them on a side branch of its graph, beside the comm kernels
-(gcmoe's sm90 backend): 1.01-1.04x at T = 1 with L2 full of dirty lines, nothing with clean ones
-(docs/benchmarks/l2-hint-h200-2026-12-01.md). What that gain is, measured later (l2-warm-h200-2026-12-01.md,
-tools/gpu/l2_warm_probe.py): in a probe, a bulk-copy stream of 31 MB prefetched this way ran as slowly as a cold one
-(plain loads of the same bytes left it at the HBM floor), so the gain was read as L2 writing its dirty lines back
-during the comm kernels. Remeasured (w1-start-h200-2026-12-02.md, two runs): the second half of each range alone
-gains most of it (55-90 % of the whole's gain), the first half little (13-35 %), so it is mostly which bytes: the
-shared expert's last W1 tiles, which stream_k puts last, on the CTAs launched last. Prefetching W1's or W2's next
-windows this way, or warming them by loads, made the layer slower (l2-warm-h200-2026-12-01.md).
+(gcmoe's sm90 backend). It gains where L2 holds dirty lines (their write-back leaves W1's stream), and mostly through
+the second half of each range: the shared expert's last W1 tiles, which stream_k puts last, on the CTAs launched
+last. Prefetching W1's or W2's next windows this way, or warming them by loads, made the layer slower (the records:
+docs/benchmarks/index.md).
 
     for every range r (address, bytes: by value) and every 16 KB chunk c of it:
         cp.async.bulk.prefetch.L2 [address_r + 16 KB c], min(16 KB, bytes_r - 16 KB c)

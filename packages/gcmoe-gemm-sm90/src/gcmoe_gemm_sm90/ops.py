@@ -3,11 +3,12 @@ models of the two kernels. The operator's layer runs in gcmoe (its sm90 backend)
 
     launch_w1(packed, x_rows, sxT, route_w, offsets, counts, hq, hsT, cfg, ring)   # any row source (the token ring)
     launch_w2(packed, hq, hsT, offsets, counts, dst, src, comb, cfg, ring)         # scatter through a peer table
-    hq, hsT = w1(packed, acts, layout, cfg)          # on prepared rows (gcmoe_core.grouping: tests, benchmarks)
+    hq, hsT = w1(packed, acts, layout, cfg)          # on prepared rows (gcmoe_core.grouping: the component alone)
     w2(packed, hq, hsT, layout, out, cfg)            # bf16 rows to out[slot]
     weights = MoESm90.from_weights(moe_weights)      # prepack W13 (gate/up interleaved) and W2, shared appended
     prefetch_l2(weights.shared_w1_ranges())          # the shared experts' W1 weights into L2 (kernel_prefetch)
     emulate_w1 / emulate_w2                          # torch models of the kernels' outputs (any device)
+    compiled(mode, m, k, cfg, arch)                  # a variant compiled offline (its schedule's class: kernel_class)
 
 Biases (cfg.bias, gpt-oss): launch_w1(..., bias=b13 fp32 [E, 2I]) and launch_w2(..., route_w=the rows' routing
 weights fp32 [R] (W1's route_w: the ring rows carry it), bias=b2 fp32 [E, H]); their addresses ride the kernels'
@@ -22,6 +23,7 @@ layer's lane; w1() on prepared rows makes one per call).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 
@@ -30,8 +32,8 @@ from gcmoe_core.formats import MXFP4Tensor
 from gcmoe_core.grouping import Activations, RowLayout
 from gcmoe_core.reference import SWIGLU, Activation, MoEWeights, w1_reference, w2_reference
 
-from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config, with_halves
-from .prepack import PackedSm90, lut_pair_words, prepack_sm90
+from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config, schedule_of, with_halves
+from .prepack import PackedSm90, prepack_sm90
 
 
 @dataclass(frozen=True)
@@ -73,14 +75,31 @@ class StreamKScratch:
             raise ValueError(f"sm90 w1: stream_k scratch has {self.partials.numel()} partials, N {cfg.n_tile}: {need}")
 
 
-_CONSTS: dict[torch.device, torch.Tensor] = {}
+def kernel_class(mode: str, cfg: Sm90Config):
+    """The kernel class of the schedule W1 (mode 'w1') / W2 of cfg runs (config.schedule_of): whole tiles
+    (kernel_grouped), half tiles (kernel_grouped_half) or stream_k (kernel_grouped_stream_k)."""
+    schedule = schedule_of(mode, cfg)
+    if schedule == "stream_k":
+        from .kernel_grouped_stream_k import GroupedGemmStreamKSm90
+
+        return GroupedGemmStreamKSm90
+    if schedule == "half":
+        from .kernel_grouped_half import GroupedGemmHalfSm90
+
+        return GroupedGemmHalfSm90
+    from .kernel_grouped import GroupedGemmSm90
+
+    return GroupedGemmSm90
 
 
-def _lut(dev: torch.device) -> torch.Tensor:
-    """The decode tables (by pairs of k32 steps) on a device, made once."""
-    if dev not in _CONSTS:
-        _CONSTS[dev] = lut_pair_words().reshape(-1).contiguous().to(dev)
-    return _CONSTS[dev]
+@cache
+def compiled(mode: str, m: int, k: int, cfg: Sm90Config, arch: str = "sm_90a"):
+    """W1 (mode 'w1') / W2 of an [E, M, K] weight tensor with cfg, compiled for arch against fake tensors (dynamic
+    expert and row counts; no GPU needed), once per process. Refuses a variant the kernel would run wrong
+    (can_implement)."""
+    from .kernel_grouped_common import compile_grouped
+
+    return compile_grouped(kernel_class(mode, cfg)(mode, m, k, cfg), arch)
 
 
 def _launch(
@@ -107,7 +126,7 @@ def _launch(
 
     from gcmoe_core.cutedsl import cutlass_modules, target_arch
 
-    from .kernel_grouped import compiled, sig_words
+    from .kernel_grouped_common import sig_words
 
     dev = x_rows.device
     e = packed.experts
@@ -153,7 +172,7 @@ def _launch(
         as_cute(sxT, 1, 16),
         as_cute(offsets, 0, 4),
         as_cute(counts, 0, 4),
-        as_cute(_lut(dev), None, 16),
+        as_cute(packed.lut, None, 16),
         *ep,
         sig,
         ticket,
@@ -242,20 +261,8 @@ def w1(packed: PackedSm90, acts: Activations, layout: RowLayout, cfg: Sm90Config
     hq = torch.empty(rows, packed.m // 2, dtype=torch.uint8, device=dev)
     hsT = torch.empty(packed.m // TILE_M, rows, dtype=torch.float32, device=dev)
     scratch = StreamKScratch.make(dev, cfg.n_tile) if cfg.stream_k else None
-    launch_w1(
-        packed,
-        acts.x_rows,
-        acts.sxT,
-        acts.route_w,
-        layout.offsets,
-        layout.counts,
-        hq,
-        hsT,
-        cfg,
-        None,
-        scratch,
-        bias=bias,
-    )
+    args = (acts.x_rows, acts.sxT, acts.route_w, layout.offsets, layout.counts, hq, hsT, cfg, None, scratch)
+    launch_w1(packed, *args, bias=bias)
     return hq, hsT
 
 
@@ -408,7 +415,7 @@ def layer_config(
     launch) for `tokens` tokens per rank on `sms` SMs: choose_config's (or `forced`), one window per loop step where
     K / 128 is odd, and the layer's epilogue flags (epilogue_flags), its half tiles kept where half_tiles_ok allows
     them with the flags. Without the weights: what MoESm90.config_for returns, for tools that compile a layer's
-    kernels ahead of it (tools/gpu/precompile.py)."""
+    kernels ahead of it."""
     cfg = forced or choose_config(tokens, top_k, num_routed, hidden, inter, sms, num_shared)
     if min(hidden, inter) // WINDOW_K % cfg.prefetch:
         cfg = replace(cfg, prefetch=1)

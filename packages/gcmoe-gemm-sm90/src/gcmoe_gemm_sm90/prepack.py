@@ -45,7 +45,7 @@ so SwiGLU runs in registers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,6 +71,12 @@ class PackedSm90:
     k: int
     gate_up: bool
     lossy_groups: int
+    # the decode tables the kernels read (lut_pair_words, int32 [1024]), made with the weights on their device
+    lut: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.lut is None or self.lut.device != self.data.device:
+            object.__setattr__(self, "lut", lut_pair_words().reshape(-1).to(self.data.device))
 
     @property
     def experts(self) -> int:
@@ -178,8 +184,9 @@ def sign_layout(data: torch.Tensor, to_split: bool) -> torch.Tensor:
     return out.view(torch.uint8).view(data.shape)
 
 
-def _thread_rows_cols():
-    """Index helpers over (warp, g, t) of a warpgroup: rows r0 within the 64-row subtile, and tw."""
+def thread_rows_cols():
+    """(r0, t) of each thread tw = 32 warp + 4 g + t of a warpgroup, in tw order: its first row r0 = 16 warp + g of
+    a 64-row subtile, and its column group t."""
     warp = torch.arange(4).view(4, 1, 1)
     g = torch.arange(8).view(1, 8, 1)
     t = torch.arange(4).view(1, 1, 4)
@@ -212,7 +219,7 @@ def prepack_sm90(w: MXFP4Tensor, gate_up: bool = False) -> PackedSm90:
     mt, nw = m // TILE_M, k // WINDOW_K
     # ---- data: [E, MT, 2j, 2s, 64 rows, W, 4 steps, 16 B]
     rows = packed.view(e, mt, 2, 2, 64, nw, 4, 16)
-    r0, tt = _thread_rows_cols()
+    r0, tt = thread_rows_cols()
     r0, tt = r0.to(dev), tt.to(dev)
     bidx = _word_byte_index().to(dev)[tt]  # [128, 4]
     out = torch.empty(e, mt, nw, 2, 2, 4, 2, 128, 4, dtype=torch.uint8, device=dev)  # [.., step, A/B, tw, 4 B]
@@ -238,7 +245,7 @@ def unpack_sm90(p: PackedSm90) -> MXFP4Tensor:
     dev = p.data.device
     d = sign_layout(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 2, 2, 4).permute(0, 1, 2, 3, 4, 5, 7, 8, 6, 9)
     d = d.reshape(e, mt, nw, 2, 2, 4, 2, 128, 4)  # [.., step, A/B, tw, 4 B]
-    r0, tt = _thread_rows_cols()
+    r0, tt = thread_rows_cols()
     r0, tt = r0.to(dev), tt.to(dev)
     bidx = _word_byte_index().to(dev)[tt]
     rows = torch.empty(e, mt, 2, 2, 64, nw, 4, 16, dtype=torch.uint8, device=dev)
@@ -267,51 +274,3 @@ def effective_weights_sm90(w: MXFP4Tensor) -> torch.Tensor:
     v = e2m1_decode(unpack_nibbles(w.packed)).view(e, m, k // 32, 32)
     q = (v * _pow2(LUT_TOP - dd).unsqueeze(-1)).to(torch.float8_e4m3fn)
     return (q.float() * _pow2(f - 127).view(e, m, 1, 1)).view(e, m, k)
-
-
-def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
-    """What the kernel's decode computes, replayed in torch from the prepacked bytes alone (bit-exact model of the
-    register path: nibble selection, the pair table's entry at the record's offset, sign, row scale), in logical row
-    order: fp32 [E, M, K].
-    (The sign bits are read back from their split-sign positions first: decode_ptx models the PTX itself.)"""
-    e, mt, nw = p.data.shape[:3]
-    table = lut_pair_words().to(p.data.device).to(torch.int64) & 0xFFFFFFFF  # [256, 4]
-    words = sign_layout(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 4, 4)  # [.., half, tw, word, 4 B]
-    words = words.to(torch.int64)
-    word = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [.., half, tw, 4]
-    rec, rsc = split_scales(p)  # [E, MT, W, 128 words], [E, MT, 256 rows]
-    out = torch.empty(e, mt, nw, 2, 2, 64, 128, dtype=torch.float32, device=p.data.device)  # [.., j, s, row, k]
-    r0, tt = _thread_rows_cols()
-    for half in range(2):
-        for si in range(2):
-            step = 2 * half + si
-            for u in range(2):
-                wv = word[:, :, :, :, :, half, :, 2 * si + u]  # [E, MT, W, j, s, tw]
-                cta_row = (
-                    torch.arange(2).view(2, 1, 1) * 128
-                    + torch.arange(2).view(1, 2, 1) * 64
-                    + (r0 + 8 * u).view(1, 1, 128)
-                ).to(p.data.device)  # [j, s, tw]
-                rword = (
-                    torch.arange(2).view(2, 1, 1) * 64
-                    + torch.arange(2).view(1, 2, 1) * 32
-                    + (r0 // 16 * 8 + r0 % 8).view(1, 1, 128)
-                ).to(p.data.device)  # [j, s, tw]: the thread's record word
-                rs = rsc[:, :, cta_row].unsqueeze(2)  # [E, MT, 1, j, s, tw]
-                entry = table[record_pair(rec[:, :, :, rword], u, half)]  # [.., tw, 4 words]: LUT[dd_2h], LUT[dd_2h+1]
-                for nib in range(8):
-                    code = (wv >> (4 * nib)) & 0xF
-                    lut_word = entry.gather(-1, (2 * si + (code & 7) // 4).unsqueeze(-1)).squeeze(-1)
-                    mag = (lut_word >> (8 * (code & 3))) & 0xFF
-                    byte = mag | ((code & 8) << 4)
-                    val = byte.to(torch.uint8).view(torch.float8_e4m3fn).float()
-                    val = val * rs
-                    kk = 32 * step + (4 * tt + nib if nib < 4 else 16 + 4 * tt + nib - 4).to(p.data.device)
-                    rows = (r0 + 8 * u).to(p.data.device)
-                    out[:, :, :, :, :, rows, kk] = val  # (row, k) pairs per thread
-    # out: [E, MT, W, j, s, 64, 128] -> [E, M, K] in prepacked row order
-    full = out.permute(0, 1, 3, 4, 5, 2, 6).reshape(e, p.m, p.k)
-    if p.gate_up:
-        inv = inverse_permutation(gate_up_permutation(p.m // 2, GATE_UP_GROUP, full.device))
-        full = full[:, inv]
-    return full
