@@ -446,6 +446,9 @@ class MegaMoeBuffer:
     w: torch.Tensor
 
 
+MIN_BUFFER_TOKENS = 256
+
+
 class DeepGemmMegaMoE:
     """Routed experts of one layer with DeepGEMM's SM90 FP8 x MXFP4 Mega MoE at world size 1 (module docstring)."""
 
@@ -469,9 +472,9 @@ class DeepGemmMegaMoE:
         self.buffer_kind = self.buffer(1).kind  # (sets up the process group at load, as a caller would)
 
     def buffer_tokens(self, tokens: int) -> int:
-        """The buffer rows for a call of `tokens` tokens: tokens aligned as the kernel asks (its harness's
-        num_max_tokens_per_rank = num_tokens)."""
-        return self.dg.align(max(1, tokens), self.dg.C.get_token_alignment_for_mega_moe())
+        """The buffer rows for a call of `tokens` tokens: at least MIN_BUFFER_TOKENS, aligned as the kernel asks (a
+        buffer of the call's own T, as its harness sizes it, faulted on the H200 at T = 1 in our runs)."""
+        return self.dg.align(max(MIN_BUFFER_TOKENS, tokens), self.dg.C.get_token_alignment_for_mega_moe())
 
     def buffer(self, tokens: int) -> MegaMoeBuffer:
         n = self.buffer_tokens(tokens)
