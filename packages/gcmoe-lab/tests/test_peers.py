@@ -104,6 +104,7 @@ class FakeTK(types.SimpleNamespace):
 
 
 def test_triton_kernels_forms_cover_both_layouts_with_routing_inside_and_before(monkeypatch):
+    monkeypatch.setenv("GCMOE_LAB_PEER_FORMS", "all")  # every form, not only the GPU-validated ones
     tk = FakeTK()
     monkeypatch.setattr(peers, "_import_triton_kernels", lambda: tk)
     cfg = MoEConfig(256, 128, 8, 6, 0)
@@ -192,6 +193,7 @@ class FakeDG:
 
 
 def test_deepgemm_forms_size_the_buffer_per_point_and_stage_inside_or_before(monkeypatch):
+    monkeypatch.setenv("GCMOE_LAB_PEER_FORMS", "all")  # every form, not only the GPU-validated ones
     cfg = MoEConfig(256, 128, 8, 4, 0)
     fake = FakeDG(cfg.hidden_size, cfg.top_k)
     monkeypatch.setattr(peers, "_import_deepgemm", lambda: fake)
@@ -228,3 +230,21 @@ def test_deepgemm_refuses_other_activations():
     cfg = MoEConfig(256, 128, 8, 4, 0, activation="swiglu_clamped")
     with pytest.raises(ValueError, match="plain SwiGLU"):
         peers.DeepGemmMegaMoE(cfg, None, "cpu")
+
+
+def test_by_default_only_the_forms_validated_on_a_gpu_are_timed(monkeypatch):
+    """Without GCMOE_LAB_PEER_FORMS=all: triton_kernels at num_warps 8 with its routing inside the call (torch-built
+    bitmatrix) and DeepGEMM's call form, the forms that ran clean on the H200."""
+    monkeypatch.delenv("GCMOE_LAB_PEER_FORMS", raising=False)
+    tk = FakeTK()
+    monkeypatch.setattr(peers, "_import_triton_kernels", lambda: tk)
+    cfg = MoEConfig(256, 128, 8, 4, 0)
+    peer = peers.TritonKernelsMoE(cfg, make_weights(cfg, seed=1), "cpu")
+    assert set(peer.precision) == {8} and peer.bitmatrix == "torch"
+    assert {n: (f.column, f.info["num_warps"]) for n, f in peer.forms().items()} == {"nw8": ("call", 8)}
+    monkeypatch.setattr(peers, "_import_deepgemm", lambda: FakeDG(cfg.hidden_size, cfg.top_k))
+    monkeypatch.setattr(
+        peers, "_symmetric_buffer", lambda n, dev: (torch.zeros(n, dtype=torch.int8), [0], "torch.empty (test)")
+    )
+    dg = peers.DeepGemmMegaMoE(cfg, make_weights(cfg, seed=3), "cpu")
+    assert {n: f.column for n, f in dg.forms().items()} == {"call": "call"}

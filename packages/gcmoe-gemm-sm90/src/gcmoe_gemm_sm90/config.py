@@ -15,34 +15,25 @@ warpgroups 2: 256 threads, each warpgroup two 64-row subtiles of its 128 rows (d
            SM at one CTA per SM: for N >= 32, where two subtiles' accumulators allow only one 256-thread CTA per SM)
 active_first  grid row y runs the y-th expert that has rows (a ballot over the counts in each warp), so the CTAs of
            empty experts launch after every CTA with work; False: row y runs expert y
-ring       the kernels' two modes. True: the operator's path beside gcmoe-comm's dispatch on the token ring: before
-           reading the row layout each CTA acquires the workspace's INUSE == its call's ticket and OFFS == CGEN + 1
-           (the ring offsets and counts of this call), W1 acquires the L1_FULL tag of every ring block of its expert
-           before loading activations, every wait bounded and failing into the workspace's ERR words; W2 skips its
-           stores once ERR is set. False: rows prepared beforehand (gcmoe_core.grouping; ops.w1 / w2 and
-           launch_w1 / launch_w2 without a RingSync): the component used on its own, and its tests
-expert_sync  ring mode: W2's CTAs of an expert start once W1 finished that expert (W1's last M tile of the expert
-           releases the workspace's W1_DONE tag of the call) instead of waiting for the whole W1 grid
-           (griddepcontrol.wait): W2 runs beside W1's tail
-stream_k   W1 only, unsplit: a grid of `ctas` CTAs (the SM slots) over the active tiles' K windows in equal ranges
-           (units of `prefetch` windows, tile-major): a CTA's range covers parts of one or more tiles; a tile split
-           between CTAs is finished by the last to arrive (an acq_rel counter), which adds the others' fp32 partials
-           (global scratch) in CTA order, deterministically. Every SM then streams the same bytes whatever the tile
-           count (at one token per rank 144 tiles of DeepSeek-V3 over 264 slots leave most SMs one tile; K-split
-           clusters would make 288 CTAs, a second wave)
+ring       the kernels' two modes. True: the operator's path beside gcmoe-comm's dispatch on the token ring (every
+           CTA acquires its call's ring layout, W1 each ring block's L1_FULL tag: kernel_grouped_common, Ring mode).
+           False: rows prepared beforehand (gcmoe_core.grouping; ops.w1 / w2 and launch_w1 / launch_w2 without a
+           RingSync): the component used on its own, and its tests
+expert_sync  ring mode: W2's CTAs of an expert start once W1 finished that expert (its W1_DONE tag) instead of
+           waiting for the whole W1 grid: W2 runs beside W1's tail
+stream_k   W1 only, unsplit: a grid of one CTA per SM slot over the active tiles' K windows in equal ranges; a tile
+           split between CTAs is finished, deterministically, by the last to arrive (kernel_grouped_stream_k). Every SM
+           then streams the same bytes whatever the tile count
 ring_bm    rows per ring block (gcmoe-comm's BM): the grain of the L1_FULL tags; expert row offsets are multiples
            of it, not of the N tile (the TMA boxes start at any row)
 activation the W1 epilogue's activation, a compile-time choice: "swiglu" (silu(gate) * up) or "swiglu_clamped"
            (gpt-oss: gate = min(gate, limit), up = clamp(up, +-limit), gate * sigmoid(alpha gate) * (up + 1); alpha
            and limit are compiled in as constants; gcmoe_core.reference.Activation is the formula)
-w2_half    W2's CTAs take half an M tile (128 weight rows: one 64-row subtile per warpgroup, 256 threads, registers
-           <= 128, so two CTAs share an SM) instead of 256 rows: with one CTA per SM each CTA's start (ring words,
-           W1_DONE, the tile's scales, the first stages) and its epilogue leave the SM idle, with two the other CTA
-           streams meanwhile. W2 unsplit, and N <= 64 with the bias epilogue (half_tiles_ok); the stages are those
-           that fit half the SM's shared memory (half_stages)
-w1_half    the same for W1, whose two halves of an M tile run as a cluster of two CTAs: a token's FP8 scale covers the
-           tile's 128 intermediate columns, 64 in each half, so the halves exchange their maxima (one cluster barrier
-           per epilogue). W1 unsplit, not stream_k
+w2_half    W2's CTAs take half an M tile (128 weight rows, 256 threads, <= 128 registers: two CTAs per SM) instead of
+           256 rows, so one CTA streams while the other starts or stores (kernel_grouped_half). W2 unsplit, and N <= 64
+           with the bias epilogue (half_tiles_ok); the stages are those that fit half the SM's shared memory
+w1_half    the same for W1, whose two halves of an M tile run as a cluster pair exchanging their per-token maxima.
+           W1 unsplit, not stream_k
 bias       W1 adds b13 (fp32 [E, 2I], gate then up entries) to gate and up before the activation; W2 adds
            route_w[row] * b2 (fp32 [E, M]) to each row before its bf16 store (h already carries the routing weight, so
            this is the routing weight times the biased expert output). Off (the default, as choose_config leaves both

@@ -26,7 +26,8 @@ Variants (GPU):
     deepgemm        gcmoe_lab.peers.DeepGemmMegaMoE (when built), graph replays, ROUTED EXPERTS ONLY
 A variant that cannot load or run gets its error string in its records; the others go on.
 
-Peers at their best: each peer is timed in several forms (gcmoe_lab.peers.Form), all in the same interleaved run:
+Peers at their best: each peer is timed in several forms (gcmoe_lab.peers.Form; by default only the forms validated
+on a GPU, GCMOE_LAB_PEER_FORMS=all for every form: gcmoe_lab.peers), all in the same interleaved run:
 triton_kernels with num_warps 8 and 4, DeepGEMM as its own harness sizes its buffer; each with the per-call
 preparation inside the timed call (column `call`: median_us, what the gcmoe layer's timed call also does) and
 before it (column `prepared`: prepared_us, the peer's own harness's timed region: triton_kernels' routing metadata,
