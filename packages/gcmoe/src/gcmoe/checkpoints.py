@@ -3,55 +3,20 @@
     weights, info = gcmoe.load_moe_layer_weights("/ckpt/dir", layer=3, ep_rank=r, ep_size=P)
     layer = gcmoe.MoELayer(info.moe_config(top_k=8), "cuda").load(weights)      # or gcmoe.load_moe_layer(...)
 
-Files are read with `safetensors.safe_open`, one tensor (or, for fused tensors, one rank's expert rows through
-`get_slice`) at a time; names, dtypes and shapes are checked from the file headers before any data is read. The
-argument is a checkpoint directory (its `model.safetensors.index.json` weight map, else every `*.safetensors` in
-it), one `.safetensors` file, an index `.json`, or a list of `.safetensors` files. An EP rank reads only its
-E/P routed experts [r·E/P, (r+1)·E/P) and every shared expert. Names below start with `{prefix}.{L}.mlp.`
-(prefix "model.layers"); E routed experts, H hidden, I intermediate (per expert), S shared experts.
-
-"gpt_oss_mxfp4"   (gpt-oss as published on the HF hub; fused experts, MXFP4 along K, gate/up rows INTERLEAVED)
-    experts.gate_up_proj_blocks   uint8      [E, 2I, H/32, 16]   32 E2M1 per 16 bytes, element 2j in the low nibble
-    experts.gate_up_proj_scales   uint8      [E, 2I, H/32]       UE8M0, 2^(b-127)
-    experts.gate_up_proj_bias     bf16/fp32  [E, 2I]             (optional)
-    experts.down_proj_blocks      uint8      [E, H, I/32, 16]
-    experts.down_proj_scales      uint8      [E, H, I/32]
-    experts.down_proj_bias        bf16/fp32  [E, H]              (optional)
-  Row 2j of gate_up is gate row j, row 2j+1 is up row j (the public model splits its output as [..., ::2] and
-  [..., 1::2]). Their nibble order and scale bias are ours (gcmoe_core.formats), so the bytes carry over as they
-  are: blocks reshape to packed [E, N, K/2], and the rows are de-interleaved (even rows, then odd rows) into our
-  gate-then-up order; no value is re-quantised. Biases are de-interleaved the same way and widened to fp32.
-  quant="bf16" dequantises (exactly: an E2M1 value times a power of two fits bf16). The activation of this model
-  (clamped SwiGLU with the up + 1 term) is MoEConfig's activation="swiglu_clamped", with has_bias=True when the
-  biases are present; info.moe_config() sets both (and swiglu_limit from a config.json beside the files).
-
-"deepseek_fp8"    (DeepSeek-V3/R1 as published; Qwen3 FP8 uses the same names) — per-expert FP8 E4M3, 128×128 blocks
-    experts.{e}.gate_proj.weight            float8_e4m3fn  [I, H]
-    experts.{e}.gate_proj.weight_scale_inv  fp32 (bf16)    [ceil(I/128), ceil(H/128)]
-    experts.{e}.up_proj.weight (+ _scale_inv)              [I, H],  [ceil(I/128), ceil(H/128)]
-    experts.{e}.down_proj.weight (+ _scale_inv)            [H, I],  [ceil(H/128), ceil(I/128)]
-    shared_experts.{gate,up,down}_proj.weight (+ _scale_inv)   [S·I, H], [S·I, H], [H, S·I]
-  w = fp8 · scale_inv of the weight's 128×128 block (dequantize_fp8_block128x128, fp32: one correctly rounded
-  product), then quantize_mxfp4 along K (quant="fp8_mxfp4") or rounded to bf16 (quant="bf16").
-
-"hf_bf16"         (the per-expert Hugging Face layout of DeepSeek-V2/V3-bf16 and others; bf16, also fp16/fp32)
-    experts.{e}.{gate,up}_proj.weight  [I, H],  experts.{e}.down_proj.weight  [H, I]
-    shared_experts.{gate,up,down}_proj.weight   [S·I, H], [S·I, H], [H, S·I]
-  quantize_mxfp4 (quant="fp8_mxfp4") or cast to bf16.
-
-Shared experts are published as ONE MLP of intermediate S·I (DeepSeek: n_shared_experts · moe_intermediate_size).
-An MLP's output is a sum over its intermediate channels, so it splits exactly into S experts of I channels each
-(rows s·I..(s+1)·I of gate and up, the same columns of down): that is how S is found. A shared intermediate that
-is not a multiple of I is rejected. A gated shared expert (Qwen-MoE's `shared_expert` with `shared_expert_gate`)
-has a sigmoid gate the layer does not apply: it is rejected unless shared=False (routed experts only).
-
-"auto" picks the layout from the names present at the layer: `experts.gate_up_proj_blocks` -> gpt_oss_mxfp4,
-`experts.<e>.gate_proj.weight_scale_inv` -> deepseek_fp8, `experts.<e>.gate_proj.weight` -> hf_bf16. For the
-per-expert layouts E is one more than the largest expert index named at the layer. A `config.json` beside the
-files supplies top_k (num_experts_per_tok) to info.moe_config when it is not given.
-
-Rejected with a ValueError naming the tensor or argument: a missing tensor, a wrong dtype or shape, an unknown
-format, ep_size not dividing E, ep_rank outside [0, ep_size), no MoE experts at the layer.
+The formats, each tensor's name, dtype and shape, and what is done to it are tabled in docs/checkpoints.md (the one
+description; this module implements it). In short:
+- gpt_oss_mxfp4 (fused experts, MXFP4 along K, gate / up rows interleaved): the bytes carry over as they are (same
+  nibble order and scale bias as gcmoe_core.formats); rows and biases are de-interleaved into gate-then-up order, no
+  value is re-quantised; quant="bf16" dequantises exactly.
+- deepseek_fp8 (per-expert FP8 E4M3, 128 x 128 blocks; Qwen3 FP8 too): fp8 times its block's scale_inv in fp32 (one
+  correctly rounded product), then quantize_mxfp4 along K or bf16.
+- hf_bf16 (per-expert bf16 / fp16 / fp32): quantize_mxfp4 or bf16.
+- auto: the layout from the names present at the layer.
+Files are read with `safetensors.safe_open`, one tensor (or one EP rank's rows of a fused tensor, through
+`get_slice`) at a time, every name, dtype and shape checked from the headers before any data is read; an EP rank
+reads only its E/P routed experts and every shared expert. A shared MLP of intermediate S·I splits exactly into S
+experts of I channels (an MLP's output is a sum over its channels); a gated shared expert is rejected unless
+shared=False. Every rejection is a ValueError naming the tensor or argument.
 """
 
 from __future__ import annotations

@@ -1,41 +1,22 @@
 """The serving engines' call shape: `gcmoe.fused_experts` takes what vLLM's `fused_experts` and SGLang's fused-MoE
-functions take and runs gcmoe's layer (gcmoe.layer.prepack / moe) on it. docs/integration.md maps every argument.
+functions take and runs gcmoe's layer (gcmoe.layer.prepack / moe) on it. docs/integration.md maps every argument and
+describes the three mechanisms below (the one description; this module implements it).
 
     y = gcmoe.fused_experts(hidden_states, w13, w2, topk_weights, topk_ids)          # raw weights: packed once
     y = gcmoe.fused_experts(hidden_states, w13, w2, topk_weights, topk_ids,          # EP: global ids, this rank's
                             expert_map=expert_map, global_num_experts=E)              # experts only
     y = gcmoe.fused_experts(hidden_states, packed, None, topk_weights, topk_ids)     # a PackedMoE handle (preferred)
 
-    hidden_states  bf16 [T, H]
-    w1             w13 [E_local, 2I, H] — gate rows [0, I), then up rows [I, 2I): vLLM's w13 for activation "silu"
-                   (its w1 shard, then its w3 shard); for vLLM's "swigluoai" its rows interleave (gate 2j, up 2j + 1)
-                   and are de-interleaved when packed — or a PackedMoE handle (then w2 is None)
-    w2             [E_local, H, I]
-    topk_weights   float [T, k] (cast to fp32); topk_ids int32 / int64 [T, k]
-    expert_map     int [global E]: global id -> local id, -1 for an expert this rank does not hold (vLLM's)
-    the rest       inplace, activation, apply_router_weight_on_input (True: ValueError), global_num_experts; and
-                   gcmoe's own keywords for raw weights: max_tokens_per_rank, quant, backend
-
-Expert parallelism the engine's way: the ids are mapped on the device (one gather: no host sync, capturable), a
-non-local expert becomes id -1, a masked slot (MoEConfig.masked_ids) that adds nothing, and the output is this rank's
-partial sum, which the engine reduces over its EP group as it does its own kernels' output. A global id outside
-[-1, global_num_experts) becomes local id E_local, which the layer reports as out of range (on the sm90 backend at
-the next call, like every device-checked id). A handle built with MoEConfig(ep_size=P) and a process group runs the
-other way: global ids, no expert_map, gcmoe's own dispatch and combine, the combined output of this rank's tokens.
-
-The pack cache (raw weights): the first call with a weight quantises it (MXFP4 for quant="fp8_mxfp4") and prepacks
-it for the backend — O(weight bytes), and on the sm90 backend also kernel compilation, workspace and a graph per
-token bucket, so seconds for a model-sized layer — and keeps the result beside the w1 tensor: a weak-identity-keyed
-dictionary (an entry dies with its w1), each entry checked on every call against (data_ptr, version counter, shape,
-stride, dtype, device) of w1 and w2, w2's identity and the options, so a tensor replaced, a different tensor, or an
-in-place write that bumps the version counter never reuses a stale pack (a stale entry is dropped when re-packed).
-Writes that bypass the version counter (param.data.copy_, collectives into the tensor, DLPack / numpy views, custom
-kernels) are NOT seen: after such a reload call clear_cache() — the first raw-weight pack of a process warns once.
-A later call pays the lookup: a few µs of host time. The pack is a copy (quantised or bf16): the caller's tensors
-are not kept alive by it. Make the first call eagerly (an engine's warm-up / profile run does), not inside a
-CUDA-graph capture. A PackedMoE handle (gcmoe.prepack) skips the lookup and makes the lifetime explicit: the
-recommended form. Inference tensors (made under torch.inference_mode) have no version counter: an in-place write to
-one is not seen (clear_cache()).
+- Expert parallelism the engine's way: ids mapped on the device (one gather: no host sync, capturable), a non-local
+  expert becomes the masked id -1 (adds nothing), the output is this rank's partial sum for the engine to reduce; a
+  global id outside [-1, global_num_experts) becomes E_local, which the layer reports as out of range.
+- The pack cache (raw weights): the first call quantises and prepacks (seconds for a model-sized layer on sm90) and
+  keeps the result in a weak-identity-keyed dictionary beside w1, each entry checked on every call against (data_ptr,
+  version counter, shape, stride, dtype, device) of w1 and w2, w2's identity and the options, so a replaced tensor or
+  an in-place write that bumps the version counter never reuses a stale pack. Writes that bypass the version counter
+  (param.data.copy_, collectives, DLPack views, inference tensors) are not seen: call clear_cache() after them (the
+  first raw-weight pack of a process warns once). Make the first call eagerly, not inside a CUDA-graph capture.
+- A PackedMoE handle (gcmoe.prepack) skips the lookup and makes the lifetime explicit: the recommended form.
 """
 
 from __future__ import annotations
