@@ -104,7 +104,7 @@ class FakeTK(types.SimpleNamespace):
 
 
 def test_triton_kernels_forms_cover_both_layouts_with_routing_inside_and_before(monkeypatch):
-    monkeypatch.setenv("GCMOE_LAB_PEER_FORMS", "all")  # every form, not only the GPU-validated ones
+    monkeypatch.setattr(peers, "PEER_FORMS", "all")  # every form, not only the GPU-validated ones
     tk = FakeTK()
     monkeypatch.setattr(peers, "_import_triton_kernels", lambda: tk)
     cfg = MoEConfig(256, 128, 8, 6, 0)
@@ -193,7 +193,7 @@ class FakeDG:
 
 
 def test_deepgemm_forms_size_the_buffer_per_point_and_stage_inside_or_before(monkeypatch):
-    monkeypatch.setenv("GCMOE_LAB_PEER_FORMS", "all")  # every form, not only the GPU-validated ones
+    monkeypatch.setattr(peers, "PEER_FORMS", "all")  # every form, not only the GPU-validated ones
     cfg = MoEConfig(256, 128, 8, 4, 0)
     fake = FakeDG(cfg.hidden_size, cfg.top_k)
     monkeypatch.setattr(peers, "_import_deepgemm", lambda: fake)
@@ -233,9 +233,9 @@ def test_deepgemm_refuses_other_activations():
 
 
 def test_by_default_only_the_forms_validated_on_a_gpu_are_timed(monkeypatch):
-    """Without GCMOE_LAB_PEER_FORMS=all: triton_kernels at num_warps 8 with its routing inside the call (torch-built
+    """Without --peer-forms all: triton_kernels at num_warps 8 with its routing inside the call (torch-built
     bitmatrix) and DeepGEMM's call form, the forms that ran clean on the H200."""
-    monkeypatch.delenv("GCMOE_LAB_PEER_FORMS", raising=False)
+    monkeypatch.setattr(peers, "PEER_FORMS", "validated")
     tk = FakeTK()
     monkeypatch.setattr(peers, "_import_triton_kernels", lambda: tk)
     cfg = MoEConfig(256, 128, 8, 4, 0)

@@ -27,7 +27,7 @@ Variants (GPU):
 A variant that cannot load or run gets its error string in its records; the others go on.
 
 Peers at their best: each peer is timed in several forms (gcmoe_lab.peers.Form; by default only the forms validated
-on a GPU, GCMOE_LAB_PEER_FORMS=all for every form: gcmoe_lab.peers), all in the same interleaved run:
+on a GPU, `--peer-forms all` for every form: gcmoe_lab.peers), all in the same interleaved run:
 triton_kernels with num_warps 8 and 4, DeepGEMM as its own harness sizes its buffer; each with the per-call
 preparation inside the timed call (column `call`: median_us, what the gcmoe layer's timed call also does) and
 before it (column `prepared`: prepared_us, the peer's own harness's timed region: triton_kernels' routing metadata,
@@ -899,6 +899,12 @@ def parser(prog: str = "gcmoe-lab bench"):
         help="how L2 is made cold before each run: write (dirty lines left, as triton's and DeepGEMM's benchmarks) or "
         f"read (clean lines, as after a decode step's attention); default {L2_FLUSH}",
     )
+    p.add_argument(
+        "--peer-forms",
+        choices=("validated", "all"),
+        default="validated",
+        help="the peers' forms: those validated on a GPU (default) or every form (gcmoe_lab.peers)",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the records as JSON to PATH")
     p.add_argument("--markdown", metavar="PATH", default=None, help="also write a markdown table to PATH")
     p.add_argument("--plot", metavar="PATH", default=None, help="also write a PNG plot (time / floor vs T)")
@@ -914,6 +920,7 @@ def main(argv: list[str] | None = None, prog: str = "gcmoe-lab bench") -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
+    peers.PEER_FORMS = args.peer_forms
     return run_bench(
         args.models,
         args.tokens,

@@ -61,11 +61,11 @@ deepgemm  DeepGEMM's SM90 FP8 x MXFP4 "Mega MoE" (deepseek-ai/DeepGEMM refs/pull
     initialised for the symmetric buffer when nothing else has; plain device memory is the fallback (what DeepGEMM
     itself uses at world size 1).
 
-Validated forms and the rest (GCMOE_LAB_PEER_FORMS): by default only the forms that ran clean on the H200 are
-timed — triton_kernels at num_warps 8 with its routing inside the call, built by torch ops, and DeepGEMM's `call`
-form. The other forms (num_warps 4, routing prepared, the Triton bitmatrix, DeepGEMM's `prepared`) are built and
-tested on the CPU, but the first GPU run of them (2026-12-03) hit an illegal memory access in the triton_kernels
-peer and in the DeepGEMM one, not yet traced to a form; GCMOE_LAB_PEER_FORMS=all times them.
+Validated forms and the rest (PEER_FORMS, `gcmoe-lab bench --peer-forms`): by default only the forms that ran
+clean on the H200 are timed: triton_kernels at num_warps 8 with its routing inside the call, built by torch ops, and
+DeepGEMM's `call` form. The other forms (num_warps 4, routing prepared, the Triton bitmatrix, DeepGEMM's `prepared`)
+are built and tested on the CPU, but their first GPU run (2026-12-03) hit an illegal memory access in the
+triton_kernels peer and in the DeepGEMM one, not yet traced to a form; `--peer-forms all` times them.
 
 History: up to the lab's first version the bench timed triton_kernels with num_warps 8 only and its routing inside
 the call (built by ~9 torch launches), and DeepGEMM with x's cast and the copies inside the call and one buffer of
@@ -137,11 +137,12 @@ _TK_SWIGLU_LIMIT = 1.0e30
 TK_NUM_WARPS = (8, 4)  # the Hopper scale layouts vLLM builds (module docstring)
 
 
-def all_forms() -> bool:
-    """Whether GCMOE_LAB_PEER_FORMS=all asks for the forms not yet validated on a GPU (module docstring)."""
-    import os
+PEER_FORMS = "validated"  # or "all": `gcmoe-lab bench --peer-forms all` (module docstring)
 
-    return os.environ.get("GCMOE_LAB_PEER_FORMS", "validated") == "all"
+
+def all_forms() -> bool:
+    """Whether the forms not yet validated on a GPU are asked for (PEER_FORMS, module docstring)."""
+    return PEER_FORMS == "all"
 
 
 def _import_triton_kernels() -> types.SimpleNamespace:
