@@ -450,7 +450,7 @@ def run(
 ) -> dict:
     """Measure the grid; returns {"meta": ..., "records": [...]} (one record per model, T and variant).
     models: names of gcmoe_core.config.MODEL_SHAPES, or "custom:H,I,E,top_k,shared" (a world-size-1 layer).
-    l2_flush: how L2 is made cold before every run (gcmoe_core.timing.L2_FLUSHES): "write" leaves up to L2's size of
+    l2_flush: how L2 is made cold before every run (gcmoe_lab.timing.L2_FLUSHES): "write" leaves up to L2's size of
     dirty lines that the run's own reads then evict (what triton's and DeepGEMM's benchmarks do); "read" leaves
     clean lines (as a decode step's attention, which reads the KV cache, leaves L2)."""
     from tqdm import tqdm
