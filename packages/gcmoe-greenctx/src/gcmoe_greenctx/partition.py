@@ -152,16 +152,20 @@ class Partition:
     _owned: list = field(default_factory=list, repr=False)  # unpartitioned mode: its OwnedStreams
 
     def close(self) -> None:
-        """Destroy this split's streams and green contexts (work already enqueued still completes). Graphs captured on
-        its streams must not be replayed afterwards."""
+        """Destroy this split's streams and green contexts, once the work enqueued on its streams has finished (the
+        driver does not promise that for a green context destroyed under running work). Graphs captured on its
+        streams must not be replayed afterwards."""
         owned, self._owned = self._owned, []
         for s in owned:
-            s.close()
+            s.close()  # (a runtime stream: destroyed once its work completes)
         if self._handles:
-            from .streams import relaxed_capture
+            from .streams import capturing, relaxed_capture
 
             try:
-                with relaxed_capture():
+                with relaxed_capture():  # (legal while another stream captures: these streams are not part of it)
+                    for s in (self.comm_stream, self.compute_stream):
+                        if not capturing(s):
+                            s.synchronize()
                     _destroy(self._handles)
             except Exception:  # (interpreter shutdown: the driver may be gone already)
                 pass
