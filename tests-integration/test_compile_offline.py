@@ -9,7 +9,7 @@ pytestmark = pytest.mark.compile
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_smid_probe_compiles_for_every_arch(arch):
-    from gcmoe_greenctx.kernel_smid import compiled
+    from gcmoe_lab.kernel_smid import compiled
 
     k = compiled(arch)
     assert k.cubin and k.cubin[:4] == b"\x7fELF"

@@ -1,8 +1,33 @@
-"""SASS listing helpers (pure text, no GPU): the innermost loop holding a marker instruction and its opcode counts."""
+"""SASS listing helpers (pure text, no GPU): the opcodes of a listing, and the innermost loop holding a marker
+instruction with its opcode counts."""
+
+import re
 
 import pytest
 
-from gcmoe_core.cutedsl import sass_loop_opcodes, sass_opcodes
+from gcmoe_core.cutedsl import SASS_OP, sass_opcodes
+
+
+def sass_loop_opcodes(sass: str, marker: str) -> tuple[dict[str, int], int]:
+    """(opcode -> count, count of `marker`) over the innermost loop of a SASS listing that contains `marker` (e.g.
+    QGMMA): the shortest span from a label to a later branch back to it. Opcodes without modifiers."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^\s*(\.L_x_\d+):", ln))}
+    best = None
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ln)
+        if m and labels.get(m.group(1), i) < i:
+            j = labels[m.group(1)]
+            if any(marker in x for x in lines[j:i]) and (best is None or i - j < best[1] - best[0]):
+                best = (j, i)
+    if best is None:
+        raise ValueError(f"no loop containing {marker} in the listing")
+    counts: dict[str, int] = {}
+    for ln in lines[best[0] : best[1] + 1]:
+        if m := re.match(SASS_OP + r"([A-Z][A-Z0-9_]*)", ln):
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts, counts.get(marker, 0)
+
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;

@@ -4,12 +4,20 @@ import pytest
 import torch
 
 from gcmoe_core.formats import quantize_mxfp4, random_mxfp4
-from gcmoe_core.layouts import gate_up_permutation
-from gcmoe_gemm_sm103.prepack import (
-    prepack_mxfp4_k128,
-    sf_atom_offsets,
-    unpack_k128,
-)
+from gcmoe_core.layouts import gate_up_permutation, inverse_permutation
+from gcmoe_gemm_sm103.prepack import BM, GATE_UP_GROUP, PackedK128, prepack_mxfp4_k128, sf_atom_offsets
+
+
+def unpack_k128(p: PackedK128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prepack's exact inverse: (packed bytes [E, N, K/2], UE8M0 scale [E, N, K/32]) in logical row order."""
+    e, nt, kt, bm, b = p.data.shape
+    data = p.data.permute(0, 1, 3, 2, 4).reshape(e, nt * bm, kt * b)
+    tiles = p.sf[..., sf_atom_offsets(p.sf.device).reshape(-1)].view(e, nt, kt, BM, 4)
+    scale = tiles.permute(0, 1, 3, 2, 4).reshape(e, nt * BM, kt * 4)
+    if p.gate_up:
+        inv = inverse_permutation(gate_up_permutation(p.n // 2, GATE_UP_GROUP, data.device))
+        data, scale = data[:, inv], scale[:, inv]
+    return data.contiguous(), scale.contiguous()
 
 
 @pytest.mark.parametrize("gate_up", [False, True])

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from gcmoe_core.formats import e2m1_decode, pack_nibbles
-from gcmoe_gemm_sm90.decode_ptx import E4M3_OF_E2M1, LUT_HI, LUT_LO, decode8_split_sign_reference, prmt_reference
 
 # The standard code layout's decode, 9 instructions per 8 values (the prepacked split-sign layout needs 7:
 # decode_ptx.DECODE8_SPLIT_SIGN_PTX): $0, $1 = out words (codes 0-3, codes 4-7); $2 = 8 codes; $3, $4 = the LUT.
@@ -27,8 +26,32 @@ prmt.b32 pos, $3, $4, idxh;
 prmt.b32 msk, w4, $2, 0xFBEA;
 lop3.b32 $1, pos, msk, 0x80808080, 0xF8;
 }"""
+E4M3_OF_E2M1 = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C)
+LUT_LO = E4M3_OF_E2M1[0] | E4M3_OF_E2M1[1] << 8 | E4M3_OF_E2M1[2] << 16 | E4M3_OF_E2M1[3] << 24
+LUT_HI = E4M3_OF_E2M1[4] | E4M3_OF_E2M1[5] << 8 | E4M3_OF_E2M1[6] << 16 | E4M3_OF_E2M1[7] << 24
 WORDS_PER_THREAD = 4  # one LDG.E.128 of codes, two STG.E.128 of E4M3 bytes per thread
 THREADS = 128
+
+
+def prmt_reference(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default and sign-replicate modes) on Python ints."""
+    pool = (a | b << 32).to_bytes(8, "little")
+    out = 0
+    for i in range(4):
+        s = (sel >> (4 * i)) & 0xF
+        byte = pool[s & 7]
+        if s & 8:  # sign-replicate mode
+            byte = 0xFF if byte & 0x80 else 0x00
+        out |= byte << (8 * i)
+    return out
+
+
+def decode8_split_sign_reference(word: int, lut_lo: int = LUT_LO, lut_hi: int = LUT_HI) -> tuple[int, int]:
+    """Bit-exact Python model of DECODE8_SPLIT_SIGN_PTX."""
+    idx = word & 0x77777777
+    lo = prmt_reference(lut_lo, lut_hi, idx) | ((word << 4) & 0x80808080)
+    hi = prmt_reference(lut_lo, lut_hi, idx >> 16) | (word & 0x80808080)
+    return lo, hi
 
 
 def decode8_reference(word: int, lut_lo: int = LUT_LO, lut_hi: int = LUT_HI) -> tuple[int, int]:

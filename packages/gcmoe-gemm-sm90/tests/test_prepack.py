@@ -37,7 +37,7 @@ def decode_prepacked_reference(p: PackedSm90) -> torch.Tensor:
     """What the kernel's decode computes, replayed in torch from the prepacked bytes alone (bit-exact model of the
     register path: nibble selection, the pair table's entry at the record's offset, sign, row scale), in logical row
     order: fp32 [E, M, K].
-    (The sign bits are read back from their split-sign positions first: decode_ptx models the PTX itself.)"""
+    (The sign bits are read back from their split-sign positions first: test_decode models the PTX itself.)"""
     e, mt, nw = p.data.shape[:3]
     table = lut_pair_words().to(p.data.device).to(torch.int64) & 0xFFFFFFFF  # [256, 4]
     words = sign_layout(p.data, to_split=False).view(e, mt, nw, 2, 2, 2, 128, 4, 4)  # [.., half, tw, word, 4 B]

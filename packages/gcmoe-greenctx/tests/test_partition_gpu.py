@@ -75,7 +75,7 @@ def test_too_many_sms_is_a_clear_error(part):
 
 
 def _smids(stream, n_ctas, spin_ns=200_000):
-    from gcmoe_greenctx.kernel_smid import record_smids
+    from gcmoe_lab.kernel_smid import record_smids
 
     out = torch.full((n_ctas,), -1, dtype=torch.int32, device="cuda")
     record_smids(out, spin_ns, stream)

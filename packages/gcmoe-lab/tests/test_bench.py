@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.formats import quantize_fp8_rowwise
 from gcmoe_core.reference import moe_reference, moe_reference_loop_fp64
 from gcmoe_core.testing import Case, calc_diff, capture_graph, make_tokens, make_weights
 from gcmoe_lab import bench, peers
-from gcmoe_lab.baselines import TorchFp8MoE, scaled_grouped_mm_loop
+from gcmoe_lab.baselines import TorchFp8MoE, quantize_fp8_rowwise, scaled_grouped_mm_loop
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = "custom:512,256,16,4,1"

@@ -14,9 +14,9 @@ Receiving rank q's ring (rows = the (src rank, token, slot) pairs routed to q's 
                sxT      fp32 [H/128, capacity]                   their activation scales, transposed (W1's layout)
                route_w  fp32 [capacity]                          routing weight of the (token, slot)
                src      int32 [capacity, 3]                      (src rank, token, slot); -1 for padding rows
-    W2 scatters row i to rank src[i, 0]'s combine buffer row src[i, 1] * k + src[i, 2] (peer address table)
-Source rank r's combine buffer: bf16 [T_max * (k + S), H], row t * (k + S) + j = slot j's output; role3 sums the
-k + S rows in slot order in fp32 (gcmoe_core.reference.combine_slots: routed slots, then shared).
+Source rank r's combine buffer: bf16 [T_max * (k + S), H], row t * (k + S) + j = slot j's output (W2 scatters ring
+row i to rank src[i, 0]'s row src[i, 1] * (k + S) + src[i, 2]); role3 sums the k + S rows in slot order in fp32
+(gcmoe_core.reference.combine_slots: routed slots, then shared).
 
 Capacity per rank: every token of every rank could route all k slots to one rank, so P * T_max * k rows, plus
 T_max * S shared rows, plus (E/P + S) * (BM - 1) rows of padding, rounded up to BM.

@@ -1,9 +1,5 @@
-"""CuTe DSL plumbing shared by the kernel packages: target arch, compile, on-disk cache, cubin, SASS, resources.
-
-    arch = target_arch()                          # GCMOE_ARCH, else the current GPU (sm_90a / sm_100a / sm_103a)
-    k = compile_kernel(launch_fn, *fake_args, arch="sm_90a", name="decode")   # works on a CPU-only machine
-    k.cubin, k.sass(), k.resources()              # for the offline checks (QGMMA with a register A, no LDL/STL)
-    sass_opcodes(sass), sass_loop_opcodes(sass, "QGMMA")   # opcodes present; opcode counts of the innermost loop
+"""CuTe DSL plumbing shared by the kernel packages: target arch, compile (no GPU needed), on-disk cache, and the
+cubin's SASS and resources for the offline checks.
 
 CuTe DSL is imported lazily: packages that only prepack weights work without it. Before the first import we point
 the DSL's own file cache at GCMOE_CACHE_DIR/cute-dsl (unless CUTE_DSL_CACHE_DIR is set); the DSL keys that cache on
@@ -156,33 +152,12 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return usage
 
 
-_SASS_OP = r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?"  # an instruction line up to its opcode (address, predicate)
+SASS_OP = r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?"  # an instruction line up to its opcode (address, predicate)
 
 
 def sass_opcodes(sass: str) -> set[str]:
     """Opcode mnemonics (with their modifiers) that appear in a SASS listing."""
-    return set(re.findall(_SASS_OP + r"([A-Z][A-Z0-9_.]+)", sass, flags=re.M))
-
-
-def sass_loop_opcodes(sass: str, marker: str) -> tuple[dict[str, int], int]:
-    """(opcode -> count, count of `marker`) over the innermost loop of a SASS listing that contains `marker` (e.g.
-    QGMMA): the shortest span from a label to a later branch back to it. Opcodes without modifiers."""
-    lines = sass.splitlines()
-    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^\s*(\.L_x_\d+):", ln))}
-    best = None
-    for i, ln in enumerate(lines):
-        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ln)
-        if m and labels.get(m.group(1), i) < i:
-            j = labels[m.group(1)]
-            if any(marker in x for x in lines[j:i]) and (best is None or i - j < best[1] - best[0]):
-                best = (j, i)
-    if best is None:
-        raise ValueError(f"no loop containing {marker} in the listing")
-    counts: dict[str, int] = {}
-    for ln in lines[best[0] : best[1] + 1]:
-        if m := re.match(_SASS_OP + r"([A-Z][A-Z0-9_]*)", ln):
-            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
-    return counts, counts.get(marker, 0)
+    return set(re.findall(SASS_OP + r"([A-Z][A-Z0-9_.]+)", sass, flags=re.M))
 
 
 def as_cute(t, dynamic_mode: int | None = 0, assumed_align: int | None = None, element_type=None):

@@ -1,16 +1,7 @@
 """Memory operations on raw 64-bit addresses (a peer's workspace base + a layout offset, a signal word) for the comm
 kernels and the grouped GEMMs that synchronise with them, as inline PTX so the memory-model semantics are explicit:
-acquire / release / relaxed with a scope, 16-byte vector copies, and the bounded spin-wait every cross-rank and
-cross-partition wait goes through. Imports CuTe DSL: kernel modules only.
-
-    ld_acquire_u32(addr, scope)      ld.acquire.{gpu,sys}.global.u32
-    st_release_u32(addr, v, scope)   st.release.{gpu,sys}.global.u32
-    atom_add_u32(addr, v, sem, scope)
-    ld_u32 / st_u32 / ld_v4 / st_v4 / ld_u64   weak global accesses (after an acquire, before a release)
-    st_bf16(addr, v)                 one fp32 -> bf16 (RNE, as torch's .to(bfloat16)) stored at a raw address
-    wait_until_eq(addr, want, timeout_ns, scope, err_addr) -> value seen (== want unless the bound expired or the
-                                     error word became non-zero)
-    record_error(err_addr, kind, rank, gen, seen)   first failure wins (CAS on the code word)
+acquire / release / relaxed with a scope ("gpu" or "sys"), weak accesses (after an acquire, before a release), and
+the bounded spin-wait every cross-rank and cross-partition wait goes through. Imports CuTe DSL: kernel modules only.
 """
 
 # No `from __future__ import annotations`: the DSL reads the annotations as live objects.

@@ -17,9 +17,6 @@ FP8 activations (and the W1 -> W2 intermediate)
              chosen as the smallest 2^e with amax <= 448 * 2^e; a zero block gets 1.0
     tensor   x [T, K] -> q float8_e4m3fn [T, K] + scale float32 [T, K/128]
     non-finite input propagates: a block holding NaN or Inf gets a NaN scale, so its values dequantise to NaN.
-
-FP8 rowwise (the torch._scaled_grouped_mm baselines only): one fp32 scale per row, amax / 448 (or its power-of-two
-ceiling): quantize_fp8_rowwise.
 """
 
 from __future__ import annotations
@@ -237,17 +234,6 @@ def dequantize_fp8_1x128(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def fp8_roundtrip(x: torch.Tensor) -> torch.Tensor:
     """The value the kernels see for an activation: quantise per token per 128, then dequantise (fp32)."""
     return dequantize_fp8_1x128(*quantize_fp8_e4m3_1x128(x))
-
-
-def quantize_fp8_rowwise(a: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., K] float -> (float8_e4m3fn [..., K], fp32 [...] scales): scale = amax / 448 over the last dim, or with
-    pow2 the smallest power of two >= that (a zero row gets a tiny scale and quantises to zeros)."""
-    a = a.float()
-    s = a.abs().amax(dim=-1).clamp_min(1e-12) / FP8_E4M3_MAX
-    if pow2:
-        s = torch.exp2(torch.ceil(torch.log2(s)))
-    q = (a / s.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, s
 
 
 def fp4_layer_bytes(hidden: int, inter: int, active_experts: int) -> int:

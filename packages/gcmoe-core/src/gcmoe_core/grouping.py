@@ -1,16 +1,7 @@
 """Routing metadata and activation rows for grouped expert GEMMs (plain torch, no host synchronisation, so the whole
-thing captures into a CUDA graph and replays with new routing). Shared by the sm90 and sm103 kernel packages.
-
-    layout = group_rows(topk_ids, num_experts, n_tile)   # (token, slot) pairs sorted by expert, each expert's rows
-                                                         # padded to a multiple of n_tile; capacity fixed by T
-    acts = prepare_activations(x, topk_weights, layout, top_k)   # FP8 1x128 rows, transposed scales, routing weight
-    ids, w = append_shared(topk_ids, topk_weights, E, S)         # shared experts as always-routed slots k..k+S-1
-    y = grouped_forward(x, ids, w, num_routed, num_shared, n_tile, hidden, run_w1, run_w2)   # on prepared rows
-
-grouped_forward composes these around two grouped kernels on prepared rows. It is the sm103 backend's forward
-(gcmoe/backends/sm103.py) and what the sm90 component's standalone tests run its kernels in; it is not the operator's
-pipeline on Hopper: the sm90 backend owns that, its rows come from gcmoe-comm's dispatch on the token ring
-(gcmoe/backends/sm90.py).
+thing captures into a CUDA graph and replays with new routing), and grouped_forward: the layer on prepared rows
+around two grouped kernels, which the sm103 backend runs. The sm90 backend's rows come from gcmoe-comm's dispatch on
+the token ring instead.
 
 Shared experts ride the routed path: expert ids E..E+S-1 are appended to every token's routing with weight 1, so the
 slot-order combine (routed 0..k-1, then shared) matches gcmoe_core.reference in structure.
@@ -108,7 +99,7 @@ def grouped_forward(
     run_w2: Callable[[torch.Tensor, torch.Tensor, RowLayout, torch.Tensor], object],
 ) -> torch.Tensor:
     """Prepared rows around two grouped kernels: append shared experts, group, quantise, W1, W2, combine (bf16
-    [T, H]). The sm103 backend's forward and the sm90 kernels' standalone tests, not the sm90 operator's pipeline."""
+    [T, H])."""
     t = topk_ids.shape[0]
     topk_ids, topk_weights = append_shared(topk_ids, topk_weights, num_routed, num_shared)
     slots = topk_ids.shape[1]

@@ -1,20 +1,5 @@
-"""Small device helpers the CuTe DSL kernels of several packages share (imports CuTe DSL: kernel modules only).
-
-inline_ptx(ret, args, ...)     one inline PTX block (every kernel's inline assembly goes through it)
-bits_to_f32 / f32_to_bits      reinterpret 32 bits (F32_ONE: the bits of 1.0)
-cvt_e4m3x2(hi, lo)             two fp32 -> two E4M3 bytes (RNE, saturating) in the low 16 bits
-cvt_bf16x2(hi, lo)             two fp32 -> two bf16 (RNE) in one 32-bit word, lo in the low half
-fmin_nan / fmax_nan(a, b)      min / max that return NaN when either operand is NaN (PTX min.NaN / max.NaN, sm_80+;
-                               cute.arch.fmin / fmax return the other operand, so a clamp would hide a NaN)
-bulk_copy_g2s(dst, src, n, mbar)  n bytes global -> this CTA's shared memory by the bulk-copy engine (no tensor map),
-                               completing n bytes of transaction on the mbarrier at shared address mbar;
-                               evict_first=True: the lines it brings into L2 are the first L2 evicts (data read once)
-bulk_prefetch_l2(src, n)        n bytes of global memory from src into L2 (fire and forget: nothing waits for it)
-st_cluster_f32(addr, rank, v)  store v at shared address addr of CTA `rank` of this cluster (distributed shared memory)
-ld_cluster_u32(addr, rank)     the 32-bit word at shared address addr of CTA `rank` of this cluster
-ld_shared_v4(addr)             the four 32-bit words at 16-byte aligned shared address addr in one vector load
-fp8_pow2_exponent(amax)        e of the power-of-two FP8 scale, smallest 2^e with amax <= 448 * 2^e, in [-126, 126]
-                               (formats.fp8_scale_for_amax, bit-exact; amax = 0 gives e = 0)
+"""Small device helpers (inline PTX) the CuTe DSL kernels of several packages share; imports CuTe DSL: kernel
+modules only.
 """
 
 # No `from __future__ import annotations`: the DSL reads the annotations as live objects.
@@ -74,6 +59,8 @@ def cvt_bf16x2(hi, lo, *, loc=None, ip=None):
 
 @dsl_user_op
 def fmin_nan(a, b, *, loc=None, ip=None):
+    """min that returns NaN when either operand is NaN (min.NaN; cute.arch.fmin returns the other: a clamp would
+    hide a NaN). fmax_nan likewise."""
     return Float32(
         inline_ptx(T.f32(), [Float32(a), Float32(b)], "min.NaN.f32 $0, $1, $2;", "=f,f,f", loc, ip, side_effects=False)
     )
@@ -148,6 +135,8 @@ def ld_shared_v4(smem_addr, *, loc=None, ip=None):
 
 @cute.jit
 def fp8_pow2_exponent(amax: Float32) -> Int32:
+    """e of the power-of-two FP8 scale, the smallest 2^e with amax <= 448 * 2^e, in [-126, 126]: bit-exact with
+    formats.fp8_scale_for_amax (amax = 0 gives e = 0)."""
     # amax = 1.f * 2^(E-127): the smallest e with amax <= 1.75 * 2^(8+e) is E - 135, plus 1 when 1.f > 1.75
     bits = f32_to_bits(amax)
     ex = ((bits >> 23) & 0xFF) - 135
@@ -158,16 +147,16 @@ def fp8_pow2_exponent(amax: Float32) -> Int32:
     return cutlass.max(cutlass.min(ex, 126), -126)
 
 
-def fake_epilogue_args(mode: str, m: int, tile_m: int = 256):
+def fake_epilogue_args(mode: str, m: int):
     """Grouped-kernel epilogue operands as fakes for an offline compile: W1 (both kernel packages): route_w fp32 [R],
-    hq uint8 [R, M/2] (FP8 bits), hsT fp32 [M/tile_m, R];  W2 (sm103; sm90's W2 scatters through a peer table):
+    hq uint8 [R, M/2] (FP8 bits), hsT fp32 [M/256, R];  W2 (sm103; sm90's W2 scatters through a peer table):
     dst int32 [R], out bf16 [R', M], and an unused fp32 [1]. Every row extent is its own run-time symbol."""
     dyn = cute.sym_int
     if mode == "w1":
         return (
             make_fake_compact_tensor(Float32, (dyn(),), assumed_align=4),
             make_fake_compact_tensor(cutlass.Uint8, (dyn(), m // 2), stride_order=(1, 0), assumed_align=16),
-            make_fake_compact_tensor(Float32, (m // tile_m, dyn()), stride_order=(1, 0), assumed_align=4),
+            make_fake_compact_tensor(Float32, (m // 256, dyn()), stride_order=(1, 0), assumed_align=4),
         )
     return (
         make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4),

@@ -1,4 +1,5 @@
-"""Weight-row orders both GEMM packages share.
+"""Weight-row orders: the gate/up interleave both GEMM packages prepack W13 with, and the one checkpoints and engines
+publish it in.
 
 W13 holds gate rows [0, I) then up rows [I, 2I). The fused SwiGLU epilogue needs gate row i and up row i in the same
 CTA tile, so the prepackers interleave them in groups of `g` rows (g = half the tile's M):
@@ -26,3 +27,9 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return inv
+
+
+def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] with gate row j at 2j and up row j at 2j + 1 (gpt-oss, vLLM's "swigluoai") -> gate rows, then up
+    rows."""
+    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)

@@ -6,12 +6,11 @@
 
 Two modes, both fp32 arithmetic on the values each mode's kernels see:
   "fp8_mxfp4"  x -> FP8 E4M3 1x128 (power-of-two scales) -> dequantised; W13/W2 dequantised exactly from MXFP4;
-               h = silu(g) * u * w in fp32, re-quantised to FP8 1x128 (the W1 epilogue), then W2; per-slot row -> bf16.
+               h = act(g, u) * w in fp32, re-quantised to FP8 1x128 (the W1 epilogue), then W2; per-slot row -> bf16.
   "bf16"       x, W13, W2 in bf16, products in fp32; h rounded to bf16; per-slot row -> bf16.
-The routing weight multiplies h (it is fused into the W1 epilogue) and b2 (added in fp32 before the row's bf16
-rounding, as the W2 epilogue does); shared experts use weight 1.0. Rows are summed
-in slot order (routed j = 0..k-1, then shared) in fp32, as the finalize kernel sums the combine buffer.
-A slot whose id is not one of the weights' experts (-1: a masked slot, MoEConfig.masked_ids) adds a zero row.
+The routing weight multiplies h (fused into the W1 epilogue) and b2 (added in fp32 before the row's bf16 rounding,
+as the W2 epilogue does); shared experts use weight 1.0. Rows are summed in slot order in fp32, as the finalize kernel
+sums the combine buffer. A slot whose id is not one of the weights' experts (-1: MoEConfig.masked_ids) adds zero.
 
 Two evaluation paths of the same per-expert functions (`w1_reference`, `w2_reference`):
   sparse   gathers each expert's rows (host sync per call; the default outside CUDA-graph capture)

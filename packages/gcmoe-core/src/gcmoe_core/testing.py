@@ -1,7 +1,5 @@
-"""Helpers the tests of every package share: GEMM error metrics, poisoning, random MoE problems and graph capture.
-
-calc_diff(x, y) = 1 - 2<x, y> / (|x|^2 + |y|^2) in float64 (0 when equal; the DeepGEMM metric): thresholds are
-<= 1e-3 against a reference that emulates the same quantisation.
+"""Helpers the tests of every package share: GEMM error metrics (calc_diff, the DeepGEMM metric: thresholds are
+<= 1e-3 against a reference that emulates the same quantisation), poisoning, random MoE problems and graph capture.
 """
 
 from __future__ import annotations
@@ -130,7 +128,7 @@ def make_tokens(cfg: MoEConfig, tokens: int, routing: str = "uniform", seed: int
     return x.to(device), ids.to(device), w.to(device)
 
 
-def make_problem(case: Case, device="cpu", weights_quant: str | None = None):
+def make_problem(case: Case, device="cpu"):
     """Fresh random x [T, H] bf16, ids, weights and float weights (w13, w2, shared...) for `case`, deterministic
     in case.seed. Weights ~ N(0, 1/fan_in) so outputs have O(1) magnitude."""
     cfg = case.cfg
@@ -141,7 +139,7 @@ def make_problem(case: Case, device="cpu", weights_quant: str | None = None):
     w2 = torch.randn(el, h, i, generator=g) * i**-0.5
     sw13 = torch.randn(s, 2 * i, h, generator=g) * h**-0.5 if s else None
     sw2 = torch.randn(s, h, i, generator=g) * i**-0.5 if s else None
-    weights = MoEWeights.from_float(w13, w2, sw13, sw2, quant=weights_quant or cfg.quant).to(device)
+    weights = MoEWeights.from_float(w13, w2, sw13, sw2, quant=cfg.quant).to(device)
     return x.to(device), ids.to(device), w.to(device), weights, (w13, w2, sw13, sw2)
 
 

@@ -1,15 +1,6 @@
-"""The sm_103a kernels' tile schedule, indexing and math replayed in plain torch on the *prepacked* tensors —
-proof, on a CPU, that the K128 layout, the scale-factor atoms and the epilogues are what the reference computes
-(the tcgen05 instructions themselves cannot run here).
-
-    for expert e, CTA tile mt (prepacked 128-row tiles 2 mt and 2 mt + 1), token tile nt (n_tile rows):
-        for k-tile kt (128 K):                                   # one pipeline stage
-            A_s = E2M1(data[e, 2 mt + s, kt]) * 2^(sf_atom[e, 2 mt + s, kt][(r%32)*16 + (r//32)*4 + j] - 127)
-            B   = E4M3(x_rows[tile rows, 128 kt : 128 kt + 128])  * 2^(sfb_atom[row tile, kt][...] - 127)
-            acc_s += A_s @ B^T                                   # tcgen05 kind::mxf8f6f4, scale vector 32, fp32
-        W1: rows of the 256-row tile pair as (lane l, lane l + 16) of each 32-lane block: gate and up of one column;
-            h = silu(gate) * up * route_w -> FP8 per token over the tile's 128 columns (one scale group)
-        W2: out[dst[row], 256 mt + r] = bf16(acc[r, row])
+"""The sm_103a kernels' tile schedule, indexing and math (kernel_grouped's docstring) replayed in plain torch on the
+*prepacked* tensors — proof, on a CPU, that the K128 layout, the scale-factor atoms and the epilogues are what the
+reference computes (the tcgen05 instructions themselves cannot run here).
 
 Token scale factors: each token's per-128 power-of-two activation scale is 4 identical UE8M0 bytes (one per 32), laid
 out in the same 512-byte atoms as the weights' (`token_scale_atoms`).

@@ -16,8 +16,7 @@ Global operands (the prepacker's layouts, gcmoe_gemm_sm103.prepack):
     A    logical [M, K, E] FP4 over data [E, M/128, K/128, 128, 64 B]: ((128, M/128), (128, K/128), E)
     SFA  sf [E, M/128, K/128, 512]: exactly the tcgen05 scale-factor atom tiling (tile_atom_to_shape_SF)
     B    token rows [R, K] FP8 (expert-sorted, padded to 128 per expert); SFB [R/128, K/128, 512] UE8M0 atoms
-This package cannot run here (no Blackwell GPU): CI compiles it for sm_103a/sm_100a and checks its SASS; the tile
-schedule, indexing and epilogue math are proven by `emulate.py` against the reference.
+Never run (no Blackwell GPU): CI compiles it and checks its SASS; emulate.py replays the schedule and math.
 """
 
 # No `from __future__ import annotations` in kernel files: the DSL reads the annotations as live objects.

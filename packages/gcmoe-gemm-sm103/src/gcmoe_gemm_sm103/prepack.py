@@ -1,16 +1,11 @@
 """K128 prepacker for the sm_103a grouped GEMMs: MXFP4 expert weights -> TMA-friendly K128 tiles and the scale
-factors in the layout tcgen05 block-scaled MMA reads (plain torch, any device; exact inverse provided).
+factors in the layout tcgen05 block-scaled MMA reads (plain torch, any device).
 
 Weights (operand swap: weight rows are the MMA's M side, BM = 128 rows per CTA tile):
 
     logical  w [E, N, K]            MXFP4: packed [E, N, K/2] bytes (low nibble first) + UE8M0 [E, N, K/32]
     data     [E, N/128, K/128, 128, 64]     64 bytes (128 FP4) per row per K128 tile
              one (128-row x K128) tile = 8 KiB contiguous: a single TMA box of one long burst
-
-             e ─┬─ n_tile 0 ─┬─ k_tile 0: rows 0..127 x 64 B  ──►  8 KiB contiguous
-                │            ├─ k_tile 1: rows 0..127 x 64 B
-                │            └─ ...
-                └─ n_tile 1 ─ ...
 
 Scale factors (one UE8M0 per 32 K per row; 4 per row per K128 tile), in 512-byte atoms per (128 rows x K128):
 
@@ -33,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from gcmoe_core.formats import MXFP4Tensor, check_mxfp4
-from gcmoe_core.layouts import gate_up_permutation, inverse_permutation
+from gcmoe_core.layouts import gate_up_permutation
 
 BM = 128
 K_TILE = 128
@@ -72,11 +67,6 @@ def _tile_rows(t: torch.Tensor, bytes_per_tile_row: int) -> torch.Tensor:
     return t.view(e, n // BM, BM, kb // bytes_per_tile_row, bytes_per_tile_row).permute(0, 1, 3, 2, 4).contiguous()
 
 
-def _untile_rows(t: torch.Tensor) -> torch.Tensor:
-    e, nt, kt, bm, b = t.shape
-    return t.permute(0, 1, 3, 2, 4).reshape(e, nt * bm, kt * b)
-
-
 def _pack_sf(scale: torch.Tensor) -> torch.Tensor:
     """[E, N, K/32] -> [E, N/128, K/128, 512]."""
     e, n, g = scale.shape
@@ -84,12 +74,6 @@ def _pack_sf(scale: torch.Tensor) -> torch.Tensor:
     out = torch.empty(e, n // BM, g // 4, SF_ATOM, dtype=torch.uint8, device=scale.device)
     out[..., sf_atom_offsets(scale.device).reshape(-1)] = tiles.reshape(e, n // BM, g // 4, -1)
     return out
-
-
-def _unpack_sf(sf: torch.Tensor) -> torch.Tensor:
-    e, nt, kt, _ = sf.shape
-    tiles = sf[..., sf_atom_offsets(sf.device).reshape(-1)].view(e, nt, kt, BM, 4)
-    return tiles.permute(0, 1, 3, 2, 4).reshape(e, nt * BM, kt * 4)
 
 
 def prepack_mxfp4_k128(w: MXFP4Tensor, gate_up: bool = False) -> PackedK128:
@@ -104,12 +88,3 @@ def prepack_mxfp4_k128(w: MXFP4Tensor, gate_up: bool = False) -> PackedK128:
         perm = gate_up_permutation(n // 2, GATE_UP_GROUP, packed.device)
         packed, scale = packed[:, perm], scale[:, perm]
     return PackedK128(_tile_rows(packed, K_TILE // 2), _pack_sf(scale), n, k, gate_up)
-
-
-def unpack_k128(p: PackedK128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact inverse: (packed bytes [E, N, K/2], UE8M0 scale [E, N, K/32]) in logical row order."""
-    data, scale = _untile_rows(p.data), _unpack_sf(p.sf)
-    if p.gate_up:
-        inv = inverse_permutation(gate_up_permutation(p.n // 2, GATE_UP_GROUP, data.device))
-        data, scale = data[:, inv], scale[:, inv]
-    return data.contiguous(), scale.contiguous()

@@ -1,47 +1,34 @@
 """Kernel configurations of the sm90 grouped GEMMs and the choice among them (choose_config: each rule with its
-reason; the measurements behind them are listed in docs/benchmarks/index.md).
+reason; the measurements behind them are listed in docs/benchmarks/index.md). Sm90Config's fields:
 
 n_tile     tokens per WGMMA N tile (a multiple of 8 up to N_MAX = 80): an expert with more tokens runs several N tiles,
            each re-reading its weights
-stages     shared-memory stages of the TMA pipeline, one 128-K window each: the window's activation box, 16 KB of
-           weights and 512 B of scale records, all arriving by TMA / bulk copy on the stage's mbarrier
+stages     shared-memory stages of the TMA pipeline, one 128-K window each (activation box, 16 KB of weights, 512 B of
+           scale records)
 prefetch   windows decoded per loop iteration (1, 2 or 4); divides K/128
 occupancy  CTAs per SM the register budget is sized for (1: up to 255 registers, 2: up to 128)
-splits     (W1, W2) K splits: S CTAs of one thread-block cluster each stream 1/S of a tile's K windows; the S - 1
-           others push their partial sums into the leader's shared memory, which adds them in split order and runs
-           the epilogue (more CTAs when there are fewer tiles than SM slots)
+splits     (W1, W2) K splits: S CTAs of one thread-block cluster each stream 1/S of a tile's K windows; the leader adds
+           the others' partial sums in split order and runs the epilogue (more CTAs when tiles are fewer than SM slots)
 warpgroups 2: 256 threads, each warpgroup two 64-row subtiles of its 128 rows (decode of one overlaps the other's
-           WGMMAs); 4: 512 threads, one subtile each (half the accumulator registers per thread, twice the warps per
-           SM at one CTA per SM: for N >= 32, where two subtiles' accumulators allow only one 256-thread CTA per SM)
-active_first  grid row y runs the y-th expert that has rows (a ballot over the counts in each warp), so the CTAs of
-           empty experts launch after every CTA with work; False: row y runs expert y
-ring       the kernels' two modes. True: the operator's path beside gcmoe-comm's dispatch on the token ring (every
-           CTA acquires its call's ring layout, W1 each ring block's L1_FULL tag: kernel_grouped_common, Ring mode).
-           False: rows prepared beforehand (gcmoe_core.grouping; ops.w1 / w2 and launch_w1 / launch_w2 without a
-           RingSync): the component used on its own, and its tests
-expert_sync  ring mode: W2's CTAs of an expert start once W1 finished that expert (its W1_DONE tag) instead of
-           waiting for the whole W1 grid: W2 runs beside W1's tail
-stream_k   W1 only, unsplit: a grid of one CTA per SM slot over the active tiles' K windows in equal ranges; a tile
-           split between CTAs is finished, deterministically, by the last to arrive (kernel_grouped_stream_k). Every SM
-           then streams the same bytes whatever the tile count
-ring_bm    rows per ring block (gcmoe-comm's BM): the grain of the L1_FULL tags; expert row offsets are multiples
-           of it, not of the N tile (the TMA boxes start at any row)
-activation the W1 epilogue's activation, a compile-time choice: "swiglu" (silu(gate) * up) or "swiglu_clamped"
-           (gpt-oss: gate = min(gate, limit), up = clamp(up, +-limit), gate * sigmoid(alpha gate) * (up + 1); alpha
-           and limit are compiled in as constants; gcmoe_core.reference.Activation is the formula)
-w2_half    W2's CTAs take half an M tile (128 weight rows, 256 threads, <= 128 registers: two CTAs per SM) instead of
-           256 rows, so one CTA streams while the other starts or stores (kernel_grouped_half). W2 unsplit, and N <= 64
-           with the bias epilogue (half_tiles_ok); the stages are those that fit half the SM's shared memory
-w1_half    the same for W1, whose two halves of an M tile run as a cluster pair exchanging their per-token maxima.
-           W1 unsplit, not stream_k
-bias       W1 adds b13 (fp32 [E, 2I], gate then up entries) to gate and up before the activation; W2 adds
-           route_w[row] * b2 (fp32 [E, M]) to each row before its bf16 store (h already carries the routing weight, so
-           this is the routing weight times the biased expert output). Off (the default, as choose_config leaves both
-           epilogue flags): the kernels compile to the code without them
+           WGMMAs); 4: 512 threads, one subtile each (half the accumulator registers per thread: tile_shape)
+active_first  grid row y runs the y-th expert that has rows, so the CTAs of empty experts launch after every CTA with
+           work; False: row y runs expert y
+ring       True: the operator's path, rows from gcmoe-comm's dispatch on the token ring (kernel_grouped_common, Ring
+           mode); False: rows prepared beforehand (gcmoe_core.grouping): the component on its own, and its tests
+expert_sync  ring mode: W2's CTAs of an expert start once W1 finished that expert (its W1_DONE tag), not the W1 grid
+stream_k   W1 only, unsplit: one CTA per SM slot over the active tiles' K windows in equal ranges; a tile split between
+           CTAs is finished, deterministically, by the last to arrive (kernel_grouped_stream_k)
+ring_bm    rows per ring block (gcmoe-comm's BM): the grain of the L1_FULL tags; expert row offsets are multiples of it
+activation the W1 epilogue's activation, compiled in with alpha and limit: "swiglu" or "swiglu_clamped" (gpt-oss;
+           gcmoe_core.reference.Activation is the formula)
+w2_half    W2's CTAs take half an M tile (128 rows, 256 threads, <= 128 registers: two CTAs per SM), so one CTA streams
+           while the other starts or stores (kernel_grouped_half); W2 unsplit, N <= 64 with bias (half_tiles_ok)
+w1_half    the same for W1, whose two halves of an M tile run as a cluster pair exchanging their per-token maxima
+bias       W1 adds b13 (fp32 [E, 2I]) before the activation; W2 adds route_w[row] * b2 (fp32 [E, M]) before its bf16
+           store. Off (the default), the kernels compile to the code without them
 evict_first  the weight / scale bulk copies carry an L2 evict_first policy (the weights are read once per call)
 
-Each (GEMM, config) runs one schedule, one kernel file each (schedule_of): whole tiles (kernel_grouped), half tiles
-(kernel_grouped_half) or stream_k (kernel_grouped_stream_k).
+Each (GEMM, config) runs one schedule, one kernel file each (schedule_of).
 """
 
 from __future__ import annotations
@@ -292,14 +279,12 @@ def with_splits(cfg: Sm90Config, splits: tuple[int, int], hidden: int, inter: in
     return replace(cfg, stages=min(max(fits), STREAM_K_STAGES) if cfg.stream_k else max(fits))
 
 
-def can_implement(
-    m: int, k: int, num_experts: int, cfg: Sm90Config, k_min: int = WINDOW_K, splits: int = 1, half: bool = False
-) -> str | None:
+def can_implement(m: int, k: int, num_experts: int, cfg: Sm90Config, splits: int = 1, half: bool = False) -> str | None:
     """None if the kernel handles an [E, M, K] weight tensor with this config, else why not (pure Python); half: as
     the kernel runs in half tiles (cfg.w1_half / w2_half: half an M tile per CTA, two CTAs per SM, half_stages)."""
     if m % TILE_M:
         return f"M = {m} must be a multiple of the {TILE_M}-row CTA tile"
-    if k % WINDOW_K or k < k_min:
+    if k % WINDOW_K or k < WINDOW_K:
         return f"K = {k} must be a positive multiple of the {WINDOW_K}-wide scale window"
     if (k // WINDOW_K) % (cfg.prefetch * splits):
         return (
@@ -314,4 +299,13 @@ def can_implement(
             f"{c.stages} stages at N tile {c.n_tile} and {splits} K splits need {smem_bytes(c, k, splits, half)} "
             f"bytes of shared memory for K = {k}, over the {smem_limit(occupancy)} of occupancy {occupancy}"
         )
+    return None
+
+
+def layer_missing(hidden: int, inter: int, experts: int) -> str | None:
+    """None when the kernels take a layer of this shape (with any chosen config), else why not."""
+    for name, (m, k) in (("W13", (2 * inter, hidden)), ("W2", (hidden, inter))):
+        why = can_implement(m, k, experts, Sm90Config(prefetch=1))  # config_for falls back to one window per step
+        if why:
+            return f"{name}: {why}"
     return None

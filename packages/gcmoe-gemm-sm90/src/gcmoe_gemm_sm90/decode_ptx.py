@@ -21,10 +21,6 @@ ptxas puts the shl on the FMA pipe (IMAD.SHL); moving idx >> 16 there too (mul.h
 
 from __future__ import annotations
 
-E4M3_OF_E2M1 = (0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C)
-LUT_LO = E4M3_OF_E2M1[0] | E4M3_OF_E2M1[1] << 8 | E4M3_OF_E2M1[2] << 16 | E4M3_OF_E2M1[3] << 24
-LUT_HI = E4M3_OF_E2M1[4] | E4M3_OF_E2M1[5] << 8 | E4M3_OF_E2M1[6] << 16 | E4M3_OF_E2M1[7] << 24
-
 SIGN_BITS = (3, 11, 19, 27, 7, 15, 23, 31)
 DECODE8_SPLIT_SIGN_PTX = """{
 .reg .b32 idx, idxh, w4, pos;
@@ -36,24 +32,3 @@ shr.u32 idxh, idx, 16;
 prmt.b32 pos, $3, $4, idxh;
 lop3.b32 $1, pos, $2, 0x80808080, 0xF8;
 }"""
-
-
-def prmt_reference(a: int, b: int, sel: int) -> int:
-    """PTX prmt.b32 (default and sign-replicate modes) on Python ints."""
-    pool = (a | b << 32).to_bytes(8, "little")
-    out = 0
-    for i in range(4):
-        s = (sel >> (4 * i)) & 0xF
-        byte = pool[s & 7]
-        if s & 8:  # sign-replicate mode
-            byte = 0xFF if byte & 0x80 else 0x00
-        out |= byte << (8 * i)
-    return out
-
-
-def decode8_split_sign_reference(word: int, lut_lo: int = LUT_LO, lut_hi: int = LUT_HI) -> tuple[int, int]:
-    """Bit-exact Python model of DECODE8_SPLIT_SIGN_PTX."""
-    idx = word & 0x77777777
-    lo = prmt_reference(lut_lo, lut_hi, idx) | ((word << 4) & 0x80808080)
-    hi = prmt_reference(lut_lo, lut_hi, idx >> 16) | (word & 0x80808080)
-    return lo, hi

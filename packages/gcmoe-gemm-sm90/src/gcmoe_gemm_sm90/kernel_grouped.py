@@ -9,19 +9,14 @@ all 256 rows of an M tile, for every N tile of one expert, optionally with its K
                           barrier, the leader adds them in split order (deterministic) and runs the epilogue
 
 Grid: with cfg.active_first, grid row y runs the y-th expert that has rows (a ballot over cnt in every warp), so the
-CTAs of empty experts launch after every CTA with work (chosen where fewer than half the experts are expected to have
-rows: config.ACTIVE_FIRST_BELOW); else row y runs expert y. Rows (the `ctas` argument) R: E, or with active_first any
-number: a CTA of grid row y runs the rows y, y + R, y + 2 R, ... below the count of experts with rows (the stages'
-mbarriers re-armed between rows), so every expert with rows is run whatever R is. The caller passes its expected
-bound on the experts that have rows (the layer: its own call's bucket x top_k routed + the shared experts, at least
-one wave of CTAs: gcmoe's sm90 backend, grid_rows), so the CTAs of empty experts never launch and each CTA normally
-runs one row: otherwise, where W1 runs K-split clusters that fill the SM slots, empty experts' CTAs queue behind the
-working ones to the end of W1 and hold back W2's programmatic launch. Routing that brings more experts with rows than
-the bound costs extra rows on the same CTAs, never a missed expert.
-first (rotation): grid row y runs expert first + y (mod E), and active-first rows count the experts with rows in that
-order, so the experts the caller expects to take longest launch first: the layer puts its shared experts (every token
-of the rank: more N tiles than any routed expert from T = 16 on) at row 0, so that their extra N-tile passes do not
-run after every other CTA has finished.
+CTAs of empty experts launch after every CTA with work (config.ACTIVE_FIRST_BELOW); else row y runs expert y. Rows R
+(the `ctas` argument): E, or with active_first any number: a CTA of grid row y runs rows y, y + R, ... below the count
+of experts with rows (the stages' mbarriers re-armed between rows), so every expert with rows runs whatever R is. The
+layer passes its expected bound (gcmoe's sm90 backend, grid_rows), so the CTAs of empty experts never launch:
+otherwise, where K-split W1 clusters fill the SM slots, they queue to the end of W1 and hold back W2's programmatic
+launch. first (rotation): grid row y runs expert first + y (mod E), active-first rows counting in that order, so the
+experts the caller expects to take longest launch first: the layer's shared experts (more N tiles than any routed
+expert from T = 16 on), whose extra passes would otherwise run after every other CTA has finished.
 """
 
 # No `from __future__ import annotations` in kernel files: the DSL reads the annotations as live objects.

@@ -27,16 +27,10 @@ table holds two k32 steps' tables, at the offset a mask of the rows' record word
 with A from registers and B (tokens) from the stage. Each window's WGMMAs accumulate into a window accumulator that
 is then promoted into the main accumulator with the tokens' activation scales (two-level FP32 accumulation, one FFMA
 per element; the N tile's scales of every window are staged in shared memory once, before its window loop); the rows'
-2^(f - 127) multiplies the main accumulator once, after the tile's (piece's) last window. The accumulator's unit: the
-staged activation scales are multiplied by a power of two t per piece and the row scales divided by it (tile_unit_bits:
-t = the CTA's largest row scale, raised so that no staged scale underflows, at most 1) — the same bits wherever nothing
-over- or underflows, and a row's values stay in the range of the true values (in units of its own 2^(f - 127), -14 ..
--8 for real weights, they would overflow up to 2^14 sooner than the reference).
-
-Per window (mainloop): one unconditional wait_group(0) for the previous window, release + refill, promote; decode
-subtile 0, its WGMMAs; decode subtile 1 while those run, its WGMMAs. ptxas serialises every WGMMA (a wait after each)
-if a wait is conditional, or an accumulator is read after a partial wait_group(1) (C7513 / C7515): the compile test
-checks.
+2^(f - 127) multiplies the main accumulator once, after the tile's (piece's) last window. The accumulators' unit: the
+staged activation scales are multiplied by a power of two t per piece and the row scales divided by it
+(tile_unit_bits), so a row's values stay in the range of its true values (in units of its own 2^(f - 127) they would
+overflow up to 2^14 sooner than the reference). One window's steps, and why its wait is unconditional: mainloop.
 
 Programmatic dependent launch: W1 waits for its producer (griddepcontrol.wait) before reading anything; W2 bulk-copies
 its first stages' weights (which no earlier kernel writes) before waiting for W1, so its CTAs stream weights in W1's
@@ -52,10 +46,9 @@ acquires INUSE == ticket (its call holds the workspace), reads g = CGEN + 1 and 
 the ring's offsets and counts of call g) — every wait bounded by timeout_ns and ended early by a non-zero ERR word,
 a failed wait recorded there (gcmoe_core.signals kinds) and the CTA then doing nothing. W1 acquires L1_FULL[b] == g of
 every ring block of its expert after issuing its first weight stages and before its first activation box; W2 reads
-ERR again before its stores and stores nothing once it is set. With cfg.expert_sync, W2 does not wait for the whole
-W1 grid: each W1 M tile of expert e, once stored, adds 1 to W1_DONE[e].count (acq_rel); the expert's last one resets
-the count and releases W1_DONE[e].tag = g; a W2 CTA of expert e acquires that tag (bounded) before its first
-activation box, so an expert's W2 runs beside the other experts' W1 tail. The words' addresses come by value (sig:
+ERR again before its stores and stores nothing once it is set. With cfg.expert_sync, W2 waits per expert, not for
+the whole W1 grid: the expert's last W1 M tile releases W1_DONE[e] = g (release_expert), which its W2 CTAs acquire
+before their first activation box (acquire_expert). The words' addresses come by value (sig:
 INUSE, CGEN, OFFS, ERR, L1_FULL, W1_DONE), so this package knows nothing of the workspace layout. Without ring mode
 (prepared rows: the component used on its own, and its tests) the kernels read rows laid out beforehand.
 
@@ -595,11 +588,10 @@ class GroupedGemmSm90Base(GroupedEpilogueSm90):
         for OFFS == g (the ring's offsets and counts of call g are written); every wait bounded, ended by a non-zero
         ERR, and recorded there on expiry. Where the words are already set, two round trips (ERR beside the INUSE
         acquire, CGEN beside OFFS under one fence): a CTA's start is on the critical path of a small call. Returns
-        (ok, g) to every thread. In a cluster (K splits, W1's
-        half pairs; crank: the CTA's rank) the leader decides for every CTA of the cluster (read from its shared
-        memory after a cluster barrier): CTAs of one cluster must agree on whether they work, or the split
-        reduction's (the pair's exchange's) cluster barriers would not match.
-        Without ring mode: (1, 0)."""
+        (ok, g) to every thread; without ring mode (1, 0). In a cluster (K splits, W1's half pairs; crank: the CTA's
+        rank) the leader decides for every CTA of the cluster (read from its shared memory after a cluster barrier):
+        CTAs of one cluster must agree on whether they work, or the split reduction's (the pair's exchange's) cluster
+        barriers would not match."""
         ok = Int32(1)
         gen = Int32(0)
         if cutlass.const_expr(self.cfg.ring):
@@ -607,9 +599,6 @@ class GroupedGemmSm90Base(GroupedEpilogueSm90):
             if tidx == 0 and crank == 0:
                 good = Int32(0)
                 g = Int32(0)
-                # two global round trips where the words are already set (a CTA launched after dispatch ranked the
-                # routing: every W2 CTA and W1's later ones): ERR and the INUSE acquire together, then CGEN and OFFS
-                # together, made an acquire by the fence; a word not yet set is waited for as before
                 failed = ld_relaxed_u32(err, "gpu")
                 held = ld_acquire_u32(inuse, "gpu")
                 if failed == 0:
@@ -886,10 +875,9 @@ class GroupedGemmSm90Base(GroupedEpilogueSm90):
                     acc[i] = acc[i] * rs
 
 
-def fake_operands(mode: str, m: int, k: int, ranks_sym=None):
-    """The kernel's tensor operands as fakes for an offline compile (every row extent its own run-time symbol):
-    wq, ws, x, sxT, offs, cnt, lut, then the epilogue's three — W1: route_w fp32 [R], hq uint8 [R, M/2] (FP8 bits),
-    hsT fp32 [M/256, R]; W2: dst int32 [R], src int32 [R, 3], comb int64 [P]."""
+def fake_operands(mode: str, m: int, k: int):
+    """The kernel's tensor operands (the module docstring's Inputs) as fakes for an offline compile, every row extent
+    its own run-time symbol."""
     f8 = cutlass.Float8E4M3FN
     nw = k // WINDOW_K
     dyn = cute.sym_int
@@ -903,7 +891,7 @@ def fake_operands(mode: str, m: int, k: int, ranks_sym=None):
         make_fake_compact_tensor(Int32, (LUT_PAIR_WORDS,), assumed_align=16),
     ]
     if mode == "w1":  # the W1 epilogue's operands, as the sm103 kernels take them too
-        ops += list(fake_epilogue_args("w1", m, TILE_M))
+        ops += list(fake_epilogue_args("w1", m))
     else:
         ops += [
             make_fake_compact_tensor(Int32, (dyn(),), assumed_align=4),

@@ -7,13 +7,10 @@ runs them on a finished tile's accumulators, in the thread layout of kernel_grou
     W2: rank src[row, 0]'s output rows: (comb[src[row, 0]] as bf16 [*, M])[dst[row], 256 mt + m] = bf16(acc[m, token])
         — comb is the combine-buffer peer table (one entry: a local output)
     compile-time options (gpt-oss; off by default, and then not a single instruction of them is emitted):
-      cfg.activation = "swiglu_clamped": gate = min(gate, limit), up = clamp(up, -limit, limit),
-                 h = gate / (1 + exp(-alpha gate)) * (up + 1) * route_w   (alpha, limit compiled in)
+      cfg.activation = "swiglu_clamped" (gcmoe_core.reference.Activation; alpha and limit compiled in)
       cfg.bias:  W1 adds b13[e, c] / b13[e, I + c] to gate / up before the activation (fp32); W2 stores
-                 bf16(acc + route_w[row] * b2[e, m]): h carries the routing weight already, so the row is the routing
-                 weight times the biased expert output. W2 reads route_w of its rows from the same array W1 read it
-                 from (in ring mode the ring rows' weights, written by dispatch before its L1_FULL tags, which W1
-                 acquired before it released W1_DONE / finished, which W2 waited for)
+                 bf16(acc + route_w[row] * b2[e, m]), reading route_w from the array W1 read it from (in ring mode
+                 written by dispatch before the L1_FULL tags W1 acquired before it released W1_DONE)
 """
 
 # No `from __future__ import annotations` in kernel files: the DSL reads the annotations as live objects.

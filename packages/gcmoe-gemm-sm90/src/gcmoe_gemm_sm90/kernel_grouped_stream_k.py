@@ -12,9 +12,8 @@ count.
             (deterministic: the same sum whichever arrives last) and runs the epilogue (reduce_pieces)
         with expert_sync each (N tile, M tile) counts once in W1_DONE
 
-Chosen at one token per rank where W1's unsplit tiles are more than the SMs but at most the SM slots
-(config.choose_config): with whole tiles most SMs would stream one tile and some two. Each piece's row scales are its
-own tile's (loaded per piece, not once per CTA). W1 only, unsplit (splits[0] = 1), whole tiles.
+Where it is chosen: config.choose_config. Each piece's row scales are its own tile's (loaded per piece, not once per
+CTA). W1 only, unsplit (splits[0] = 1), whole tiles.
 """
 
 # No `from __future__ import annotations` in kernel files: the DSL reads the annotations as live objects.

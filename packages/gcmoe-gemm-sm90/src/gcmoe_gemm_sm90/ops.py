@@ -1,23 +1,11 @@
-"""Host side of the sm90 grouped GEMMs: the W1 and W2 launches, the prepacked weights of one layer, and the torch
-models of the two kernels. The operator's layer runs in gcmoe (its sm90 backend); this package never runs a layer.
-
-    launch_w1(packed, x_rows, sxT, route_w, offsets, counts, hq, hsT, cfg, ring)   # any row source (the token ring)
-    launch_w2(packed, hq, hsT, offsets, counts, dst, src, comb, cfg, ring)         # scatter through a peer table
-    hq, hsT = w1(packed, acts, layout, cfg)          # on prepared rows (gcmoe_core.grouping: the component alone)
-    w2(packed, hq, hsT, layout, out, cfg)            # bf16 rows to out[slot]
-    weights = MoESm90.from_weights(moe_weights)      # prepack W13 (gate/up interleaved) and W2, shared appended
-    prefetch_l2(weights.shared_w1_ranges())          # the shared experts' W1 weights into L2 (kernel_prefetch)
-    emulate_w1 / emulate_w2                          # torch models of the kernels' outputs (any device)
-    compiled(mode, m, k, cfg, arch)                  # a variant compiled offline (its schedule's class: kernel_class)
-
-Biases (cfg.bias, gpt-oss): launch_w1(..., bias=b13 fp32 [E, 2I]) and launch_w2(..., route_w=the rows' routing
-weights fp32 [R] (W1's route_w: the ring rows carry it), bias=b2 fp32 [E, H]); their addresses ride the kernels'
-by-value words after the signal addresses. cfg.activation picks the W1 epilogue's activation (MoESm90.config_for sets
-both from the layer).
+"""Host side of the sm90 grouped GEMMs: the W1 and W2 launches (launch_w1 / launch_w2 from any row source, w1 / w2 on
+prepared rows), the prepacked weights of one layer (MoESm90), the L2 prefetch, and the torch models of the two kernels
+(emulate_w1 / emulate_w2). The operator's layer runs in gcmoe (its sm90 backend); this package never runs a layer.
 
 ring: a RingSync (the comm workspace's signal addresses, the call's ticket, the wait bound) for the kernels' ring mode
 (Sm90Config.ring); None on prepared rows. scratch: W1's StreamKScratch where cfg.stream_k (owned by the caller: the
-layer's lane; w1() on prepared rows makes one per call).
+layer's lane; w1() on prepared rows makes one per call). The epilogue's biases (cfg.bias) ride the kernels' by-value
+words after the signal addresses.
 """
 
 from __future__ import annotations
@@ -32,7 +20,7 @@ from gcmoe_core.formats import MXFP4Tensor
 from gcmoe_core.grouping import Activations, RowLayout
 from gcmoe_core.reference import SWIGLU, Activation, MoEWeights, w1_reference, w2_reference
 
-from .config import TILE_M, WINDOW_K, Sm90Config, can_implement, choose_config, schedule_of, with_halves
+from .config import TILE_M, WINDOW_K, Sm90Config, choose_config, layer_missing, schedule_of, with_halves
 from .prepack import PackedSm90, prepack_sm90
 
 
@@ -307,15 +295,6 @@ def prefetch_l2(ranges: list[tuple[int, int]], ctas: int = 8) -> None:
         cutlass.Int32(ctas),
         cuda.CUstream(torch.cuda.current_stream().cuda_stream),
     )
-
-
-def layer_missing(hidden: int, inter: int, experts: int) -> str | None:
-    """None when the kernels take a layer of this shape (with any chosen config), else why not."""
-    for name, (m, k) in (("W13", (2 * inter, hidden)), ("W2", (hidden, inter))):
-        why = can_implement(m, k, experts, Sm90Config(prefetch=1))  # config_for falls back to one window per step
-        if why:
-            return f"{name}: {why}"
-    return None
 
 
 class MoESm90:

@@ -1,5 +1,5 @@
 """Prepacker for the sm_90a grouped GEMMs: logical MXFP4 experts -> the per-thread register-fragment order the kernel
-reads with 16-byte loads, plus scale records per window. Plain torch, any device; `unpack` is the exact inverse.
+reads with 16-byte loads, plus scale records per window. Plain torch, any device; `unpack_sm90` is the exact inverse.
 
 Tiling (operand swap: weight rows are WGMMA's M, tokens are N; K = reduction):
     CTA tile   256 rows = 2 warpgroups (j) x 2 subtiles (s) x 64 rows; K in windows of 128 (4 k32 WGMMA steps)
@@ -35,12 +35,10 @@ Row-referenced scales (per row r, over its K/32 groups; one UE8M0 exponent e per
     16-byte shared load at the offset a record word gives.
 
 Effective weight = E4M3_RNE(v * 2^(LUT_TOP - dd)) * 2^(f - 127): exactly the MXFP4 value whenever dd <= 14, i.e. for
-every group of a row whose non-zero groups' exponents span at most 14 binades (the per-128-K-window bases this
-replaced were exact only while each window's four groups spanned <= 8); `lossy_groups` counts the non-zero groups
-where it is not (the row's smallest, more than 2^14 below its largest). Products scale by powers of two only, so
-the kernel's results equal the per-window scheme's bit for bit wherever both are exact. W13 rows are interleaved
-gate/up in groups of 8 (gcmoe_core.layouts): thread rows r0/r1 are the gate and up rows of one intermediate column,
-so SwiGLU runs in registers.
+every group of a row whose non-zero groups' exponents span at most 14 binades; `lossy_groups` counts the non-zero
+groups where it is not (the row's smallest, more than 2^14 below its largest). W13 rows are interleaved gate/up in
+groups of 8 (gcmoe_core.layouts): thread rows r0/r1 are the gate and up rows of one intermediate column, so SwiGLU
+runs in registers.
 """
 
 from __future__ import annotations

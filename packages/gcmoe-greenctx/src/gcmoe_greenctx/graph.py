@@ -1,14 +1,14 @@
 """One MoE layer as role nodes on the two partitions: the same enqueue runs eagerly and under a CUDA-graph capture
 (the layer's owner, e.g. gcmoe's sm90 backend, captures it once per token bucket and replays it).
 
-    roles = RoleNodes(dispatch=..., compute=..., finalize=..., shared=None)   # callables that enqueue work
+    roles = RoleNodes(dispatch=..., compute=..., finalize=...)   # callables that enqueue work
     enqueue_roles(partition, roles, overlap=True)   # eagerly, or inside torch.cuda.graph(...) to record the nodes
 
 Shape of the enqueued (or captured) work (fork/join events between the partitions):
 
     caller stream ──► fork ──┬──► [comm stream]    dispatch ───────────────────────────┐
                              └──► [compute stream] (wait dispatch if not overlap)       │
-                                                   compute ─► finalize ─► shared? ──► join ◄┘ ──► caller stream
+                                                   compute ─► finalize ──────────► join ◄┘ ──► caller stream
 
 - A kernel node takes its SM partition from the stream it was captured on (green-context streams), so the graph
   replays with dispatch on the comm SMs and compute/finalize on the compute SMs.
@@ -33,19 +33,12 @@ class RoleNodes:
     dispatch: Callable[[], None]
     compute: Callable[[], None]
     finalize: Callable[[], None]
-    shared: Callable[[], None] | None = None
 
 
-def enqueue_roles(
-    part: Partition,
-    roles: RoleNodes,
-    overlap: bool,
-    streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None,
-) -> None:
+def enqueue_roles(part: Partition, roles: RoleNodes, overlap: bool) -> None:
     """Enqueue one layer's role nodes on the partition streams, forked from and joined back to the current stream.
-    The same function runs eagerly and under capture, so eager and replayed layers are the same work. streams:
-    another (comm, compute) pair bound to the same partitions instead of the partition's own."""
-    comm_stream, compute_stream = streams or (part.comm_stream, part.compute_stream)
+    The same function runs eagerly and under capture, so eager and replayed layers are the same work."""
+    comm_stream, compute_stream = part.comm_stream, part.compute_stream
     origin = torch.cuda.current_stream()
     fork = torch.cuda.Event()
     fork.record(origin)
@@ -60,8 +53,6 @@ def enqueue_roles(
             compute_stream.wait_event(dispatched)
         roles.compute()
         roles.finalize()
-        if roles.shared is not None:
-            roles.shared()
     computed = torch.cuda.Event()
     computed.record(compute_stream)
     origin.wait_event(dispatched)

@@ -1,24 +1,17 @@
 """Split one GPU's SMs into a communication partition and a compute partition with CUDA Green Contexts.
 
-    facts  = device_facts(0)                 # SM count, minSmPartitionSize, smCoscheduledAlignment, driver, support
-    part   = split_device(comm_sms=16)        # green contexts: comm = a structured group, compute = the remainder
-    with torch.cuda.stream(part.comm_stream): ...     # kernels launched here run on the comm SMs only
-    part   = split_device(16, mode="unpartitioned")   # same interface: two ordinary streams on the whole GPU
+    part = split_device(comm_sms=16)                 # comm = a structured group of 16 SMs, compute = the remainder
+    with torch.cuda.stream(part.comm_stream): ...     # kernels launched (or captured) here run on the comm SMs only
     part.close()                                       # its green contexts and streams destroyed (or when dropped)
 
-Design
-- Sizes are requested in SMs and rounded UP to the device's split granularity (smCoscheduledAlignment, at least
-  minSmPartitionSize; 8 and 8 on H100/H200). The comm partition is the structured group the driver returns from
-  cuDevSmResourceSplitByCount; the compute partition is the remainder (132 - 16 = 116 SMs on an H200), which keeps
-  every SM busy. `plan_split` does the arithmetic in pure Python so the rules are tested on a CPU.
-- A Partition belongs to whoever asked for it (a layer's lane, a benchmark): each split_device call makes green
-  contexts of its own, destroyed by close() or when the Partition is dropped (also during a caller's capture:
-  streams.relaxed_capture). Splits of different sizes may coexist; their SM sets then overlap.
-- Isolation: on drivers with CUDA >= 13.1 each green context also gets a workqueue config (sharing scope
-  GREEN_CTX_BALANCED, concurrency limit 1) so the two partitions do not share hardware work queues. Older drivers
-  (the H200 here: driver 580 = CUDA 13.0) reject it; we warn once and go on with SM partitioning alone.
-- Streams are the green contexts' own streams (cuGreenCtxStreamCreate) wrapped as torch streams, so torch ops and
-  CuTe DSL kernels launched on them, eagerly or inside a captured CUDA graph, run on that partition's SMs.
+- Sizes are requested in SMs and rounded UP to the split granularity (max(minSmPartitionSize,
+  smCoscheduledAlignment): 8 on H100/H200); the compute partition is the remainder, which keeps every SM busy.
+  `plan_split` does the arithmetic in pure Python so the rules are tested on a CPU.
+- A Partition belongs to whoever asked for it: each split_device call makes green contexts of its own (splits of
+  different sizes may coexist; their SM sets then overlap), destroyed by close() or when the Partition is dropped.
+- Isolation: on drivers with CUDA >= 13.1 each green context also gets a workqueue config (GREEN_CTX_BALANCED,
+  concurrency 1) so the partitions do not share hardware work queues; older drivers reject it (a warning, once).
+- The streams are the green contexts' own (cuGreenCtxStreamCreate) wrapped as torch streams.
 """
 
 from __future__ import annotations

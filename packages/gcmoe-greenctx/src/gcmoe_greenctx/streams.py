@@ -1,19 +1,13 @@
 """Streams a component owns, and set-up work that must stay out of a caller's CUDA-graph capture.
 
-    s = OwnedStream(device)            # a runtime stream of our own (non-blocking), as a torch stream: s.stream
-    with relaxed_capture(): ...         # this thread may allocate, load modules, destroy handles during a capture
-    capturing(stream)                   # whether a stream is part of any capture now
-    s.close()                           # destroyed (also when dropped, also while some stream captures)
+Why our own streams (OwnedStream): torch.cuda.Stream() hands out the streams of a pool of 32 per priority
+round-robin, so a component that takes one per object gets, past 32 objects, a stream that may be the very one a
+caller is capturing; synchronising or recording set-up work on it then breaks that capture.
 
-Why our own streams: torch.cuda.Stream() hands out the streams of a pool of 32 per priority round-robin, so a
-component that takes one per object (per layer, per lane) gets, past 32 objects, a stream that may be the very one a
-caller is capturing; synchronising or recording set-up work on it then breaks that capture. A stream created by the
-runtime for one owner never is.
-
-Why relaxed capture mode: under a capture in the default (global) mode, a "potentially unsafe" call from any thread
-(allocation, module load, a destroy) invalidates the capture. Set-up of a layer that is first called inside a
-caller's capture, and the teardown of an object the garbage collector drops during one, run in relaxed mode for
-this thread, on streams that are not captured, so the caller's capture stays valid.
+Why relaxed capture mode (relaxed_capture): under a capture in the default (global) mode, a "potentially unsafe" call
+from any thread (allocation, module load, a destroy) invalidates the capture. Set-up of a layer first called inside
+a caller's capture, and the teardown of an object the garbage collector drops during one, run in relaxed mode for
+this thread, on streams that are not captured.
 """
 
 from __future__ import annotations

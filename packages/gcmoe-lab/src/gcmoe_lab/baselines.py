@@ -34,11 +34,22 @@ import torch
 import torch.nn.functional as F
 
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.formats import MXFP4Tensor, quantize_fp8_rowwise
+from gcmoe_core.formats import FP8_E4M3_MAX, MXFP4Tensor
 from gcmoe_core.grouping import append_shared, group_rows
 from gcmoe_core.reference import MoEWeights, combine_slots
 
 ROW_ALIGN = 16  # torch's grouped GEMMs want each group's row offset 16-aligned
+
+
+def quantize_fp8_rowwise(a: torch.Tensor, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] float -> (float8_e4m3fn [..., K], fp32 [...] scales): scale = amax / 448 over the last dim, or with
+    pow2 the smallest power of two >= that (a zero row gets a tiny scale and quantises to zeros)."""
+    a = a.float()
+    s = a.abs().amax(dim=-1).clamp_min(1e-12) / FP8_E4M3_MAX
+    if pow2:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
+    q = (a / s.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, s
 
 
 def scaled_grouped_mm_loop(

@@ -80,7 +80,7 @@ def isolation(part: Partition, copy_reps: int = 20, gemm_reps: int = 20) -> dict
 
 
 def disjointness(part: Partition) -> dict:
-    from gcmoe_greenctx.kernel_smid import record_smids
+    from gcmoe_lab.kernel_smid import record_smids
 
     sms = torch.cuda.get_device_properties(part.device).multi_processor_count
     a = torch.full((4 * sms,), -1, dtype=torch.int32, device="cuda")

@@ -42,12 +42,12 @@ import torch
 from gcmoe import MoELayer
 from gcmoe.backends.sm90 import grid_rows, ring_spec, token_bucket
 from gcmoe_core.config import MoEConfig
-from gcmoe_core.formats import quantize_fp8_rowwise
 from gcmoe_core.grouping import group_rows, prepare_activations
 from gcmoe_core.testing import capture_graph, make_tokens, make_weights
 from gcmoe_gemm_sm90.config import N_TILES, can_implement, tile_shape, with_halves, with_splits
 from gcmoe_gemm_sm90.ops import MoESm90, StreamKScratch, launch_w1, launch_w2
 
+from .baselines import quantize_fp8_rowwise
 from .timing import L2_FLUSHES, copy_bandwidth, fp4_floor_us, run_meta, time_gpu, time_interleaved
 
 MODELS = ("deepseek-v4-flash", "deepseek-v3", "glm-5", "glm-4.5")

@@ -12,11 +12,8 @@ description; this module implements it). In short:
   correctly rounded product), then quantize_mxfp4 along K or bf16.
 - hf_bf16 (per-expert bf16 / fp16 / fp32): quantize_mxfp4 or bf16.
 - auto: the layout from the names present at the layer.
-Files are read with `safetensors.safe_open`, one tensor (or one EP rank's rows of a fused tensor, through
-`get_slice`) at a time, every name, dtype and shape checked from the headers before any data is read; an EP rank
-reads only its E/P routed experts and every shared expert. A shared MLP of intermediate S·I splits exactly into S
-experts of I channels (an MLP's output is a sum over its channels); a gated shared expert is rejected unless
-shared=False. Every rejection is a ValueError naming the tensor or argument.
+Every name, dtype and shape is checked from the headers before any data is read, an EP rank reads only its E/P routed
+experts and every shared expert, and every rejection is a ValueError naming the tensor or argument.
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ from safetensors import safe_open
 
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.formats import MXFP4_GROUP, MXFP4Tensor, quantize_mxfp4
+from gcmoe_core.layouts import deinterleave_gate_up
 from gcmoe_core.reference import MoEWeights
 
 from .layer import MoELayer
@@ -106,11 +104,6 @@ def dequantize_fp8_block128x128(q: torch.Tensor, scale_inv: torch.Tensor, block:
         _fail(f"fp8 weight {tuple(q.shape)} needs scale_inv {want}, got {tuple(scale_inv.shape)}")
     s = scale_inv.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
     return q.float() * s
-
-
-def _deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
-    """[E, 2I, ...] with gate row j at 2j and up row j at 2j+1 -> gate rows then up rows."""
-    return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
 
 
 def _stack(ws: list) -> torch.Tensor | MXFP4Tensor:
@@ -259,13 +252,13 @@ def _load_gpt_oss(rd: _Reader, base: str, ep_rank: int, ep_size: int, quant: str
         return MXFP4Tensor(blocks.reshape(*blocks.shape[:2], k // 2), scales)
 
     w13_il, w2 = mxfp4("gate_up_proj", two_i, h), mxfp4("down_proj", h, i)
-    w13 = MXFP4Tensor(_deinterleave_rows(w13_il.packed), _deinterleave_rows(w13_il.scale))
+    w13 = MXFP4Tensor(deinterleave_gate_up(w13_il.packed), deinterleave_gate_up(w13_il.scale))
     if quant == "bf16":
         w13, w2 = w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)
     b13 = b2 = None
     has_bias = f"{e}gate_up_proj_bias" in rd or f"{e}down_proj_bias" in rd
     if has_bias:
-        b13 = _deinterleave_rows(rd.read(f"{e}gate_up_proj_bias", (_BF16, _F32), (num_e, two_i), rows))
+        b13 = deinterleave_gate_up(rd.read(f"{e}gate_up_proj_bias", (_BF16, _F32), (num_e, two_i), rows))
         b2 = rd.read(f"{e}down_proj_bias", (_BF16, _F32), (num_e, h), rows)
         b13, b2 = b13.float().contiguous(), b2.float().contiguous()
     weights = MoEWeights(w13, w2, w13_bias=b13, w2_bias=b2)

@@ -1,13 +1,6 @@
-"""The `gcmoe` command: info, demo, bench, tune.
-
-gcmoe info  [--json]                    versions, GPU arch and SMs, green-context facts, runnable backends
-gcmoe demo  [--model M] [--ep 8] [--tokens 4] [--backend B] [--json]
-                                        one decode step of a model-shaped layer on the best backend, checked
-gcmoe bench ...                         = gcmoe-lab bench ...: the layer, torch FP8 and the peers side by side
-gcmoe tune  ...                         = gcmoe-lab tune ...: measure and cache the comm partition size per shape
-
-bench and tune live in the gcmoe-lab package (benchmarks beside the product, never inside it): these two entries
-import it only when called and hand it their arguments; without it they say how to install it (exit code 2).
+"""The `gcmoe` command: info, demo (one decode step of a model-shaped layer, checked), and bench / tune, which live in
+the gcmoe-lab package (benchmarks beside the product, never inside it): those two import it only when called and hand
+it their arguments; without it they say how to install it (exit code 2).
 """
 
 from __future__ import annotations

@@ -7,15 +7,10 @@ describes the three mechanisms below (the one description; this module implement
                             expert_map=expert_map, global_num_experts=E)              # experts only
     y = gcmoe.fused_experts(hidden_states, packed, None, topk_weights, topk_ids)     # a PackedMoE handle (preferred)
 
-- Expert parallelism the engine's way: ids mapped on the device (one gather: no host sync, capturable), a non-local
-  expert becomes the masked id -1 (adds nothing), the output is this rank's partial sum for the engine to reduce; a
-  global id outside [-1, global_num_experts) becomes E_local, which the layer reports as out of range.
-- The pack cache (raw weights): the first call quantises and prepacks (seconds for a model-sized layer on sm90) and
-  keeps the result in a weak-identity-keyed dictionary beside w1, each entry checked on every call against (data_ptr,
-  version counter, shape, stride, dtype, device) of w1 and w2, w2's identity and the options, so a replaced tensor or
-  an in-place write that bumps the version counter never reuses a stale pack. Writes that bypass the version counter
-  (param.data.copy_, collectives, DLPack views, inference tensors) are not seen: call clear_cache() after them (the
-  first raw-weight pack of a process warns once). Make the first call eagerly, not inside a CUDA-graph capture.
+- Expert parallelism the engine's way (map_expert_ids): a non-local expert becomes the masked id -1, and the output
+  is this rank's partial sum for the engine to reduce.
+- The pack cache (cached_pack): raw weights are packed once, keyed weakly on w1 and checked on every call against
+  the tensors' identity, version counter and layout; a write that bypasses the version counter needs clear_cache().
 - A PackedMoE handle (gcmoe.prepack) skips the lookup and makes the lifetime explicit: the recommended form.
 """
 
@@ -30,6 +25,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gcmoe_core.config import ACTIVATIONS, MASKED_ID, MoEConfig
+from gcmoe_core.layouts import deinterleave_gate_up
 from gcmoe_core.reference import MoEWeights
 
 from .layer import PackedMoE, moe, prepack
@@ -44,12 +40,9 @@ def _fail(arg: str, msg: str):
 
 
 def supported_activations() -> dict[str, tuple[str, bool]]:
-    """Activation names fused_experts takes -> (MoEConfig.activation, w13 rows interleaved): the engines' names
-    whose MoEConfig activation exists, and MoEConfig's own names (gate rows then up rows)."""
-    ours = ACTIVATIONS
-    names = {name: v for name, v in _ENGINE_ACTIVATIONS.items() if v[0] in ours}
-    names.update((a, (a, False)) for a in ours)
-    return names
+    """Activation names fused_experts takes -> (MoEConfig.activation, w13 rows interleaved): the engines' names, and
+    MoEConfig's own names (gate rows then up rows)."""
+    return {**_ENGINE_ACTIVATIONS, **{a: (a, False) for a in ACTIVATIONS}}
 
 
 def _activation(name: str) -> tuple[str, bool]:
@@ -146,8 +139,8 @@ def _pack_raw(
     )  # fmt: skip
     w13, b13 = w1.detach(), None if w1_bias is None else w1_bias.detach()
     if interleaved:  # gate rows 0, 2, 4, ..., up rows 1, 3, 5, ... -> gate rows, then up rows (biases alike)
-        w13 = torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1)
-        b13 = None if b13 is None else torch.cat((b13[:, 0::2], b13[:, 1::2]), dim=1)
+        w13 = deinterleave_gate_up(w13)
+        b13 = None if b13 is None else deinterleave_gate_up(b13)
     w2d = w2.detach()
     if quant == "bf16":  # a bf16 pack must not alias the caller's tensors (the cache holds it weakly by w1)
         w13, w2d = w13.to(torch.bfloat16, copy=True), w2d.to(torch.bfloat16, copy=True)

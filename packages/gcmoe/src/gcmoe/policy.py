@@ -1,21 +1,15 @@
 """The comm-partition policy a layer runs with: how many SMs the communication partition gets, and above which
-token count per rank a call runs unpartitioned. The tuner (gcmoe-lab: `gcmoe tune`) measures and writes it; the sm90
-backend reads it. This module imports neither.
+token count per rank a call runs unpartitioned. The tuner (gcmoe-lab: `gcmoe tune`) writes it; the sm90 backend
+reads it; this module imports neither.
 
 Where a layer's policy comes from (first that exists):
-1. GCMOE_COMM_SMS: forces the comm size for every call (0 = never partition). A forced size is used at every token
-   count (unpartitioned_above = inf): whoever forces a size is measuring it.
-2. The cache file $GCMOE_CACHE_DIR/tune/<device>-h<H>-i<I>-e<local experts>-k<top_k>-s<shared>-ep<ep>.json that the
-   tuner wrote on this device for this shape: where the partition pays depends on the device and on the shape.
-3. DEFAULTS by device name, else GENERIC_DEFAULT. A bad cache file warns and falls through to the defaults (it must
-   not stop a layer from being built); a bad GCMOE_COMM_SMS raises ValueError (the user asked for something
-   impossible).
-Valid comm sizes: 0, or a multiple of the split granularity (8 SMs on H100 / H200) leaving at least one granule to
-compute: 8 .. sm_count - 8.
-
-Defaults: no partition on the H200 and on untuned devices. At world size 1 dispatch moves no bytes across GPUs, so
-the comm partition has nothing to hide while the GEMMs lose SMs (measured: docs/benchmarks/index.md, Partition
-ablation); a device gets a partition once the tuner measures one that pays.
+1. GCMOE_COMM_SMS: forces the comm size at every token count (0 = never partition); a bad value raises ValueError.
+2. The cache file the tuner wrote on this device for this shape (cache_path): where the partition pays depends on
+   both. A bad cache file warns and falls through to the defaults (it must not stop a layer from being built).
+3. DEFAULTS by device name, else GENERIC_DEFAULT: no partition on the H200 and on untuned devices. At world size 1
+   dispatch moves no bytes across GPUs, so the partition has nothing to hide while the GEMMs lose SMs (measured:
+   docs/benchmarks/index.md, Partition ablation).
+Valid comm sizes: 0, or a multiple of the split granularity (8 SMs on H100 / H200) leaving one granule to compute.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""Backends of the operator: one object per implementation behind a small protocol, and how one is chosen.
-
-    backend = BACKENDS["sm90"]
-    backend.missing(device, cfg)                         # None when it runs there, else what is missing (host checks)
-    tensors = backend.prepack(cfg, weights, device)      # once, at load: MoEWeights -> the backend's device tensors
-    plan = backend.plan(cfg, tensors, device, options)   # once per layer: workspaces, partition, graphs, fallback
-    y = plan.forward(x, topk_ids, topk_weights, check_values)   # per call (arguments already validated)
+"""Backends of the operator: one object per implementation behind a small protocol (base.Backend, base.LayerPlan),
+and how one is chosen.
 
     reference  plain torch (gcmoe-core), any device; the ground truth and the CPU path
-    sm90       Hopper (sm_90a): gcmoe-comm's publish / dispatch and finalize kernels around gcmoe-gemm-sm90's W1 / W2,
-               on two green-context partitions, replayed as captured role graphs (backends/sm90.py)
-    sm103      Blackwell (sm_103a): gcmoe-gemm-sm103's tcgen05 block-scaled W1 / W2 (compiled and emulated only)
+    sm90       Hopper (sm_90a): gcmoe-comm's dispatch and finalize around gcmoe-gemm-sm90's W1 / W2 (backends/sm90.py)
+    sm103      Blackwell (sm_103a): gcmoe-gemm-sm103's W1 / W2 (compiled and emulated only, never run on the hardware)
 
 `choose(device, requested, cfg)`: an explicit request (argument, else GCMOE_BACKEND) must be runnable or it raises
-BackendUnavailable naming what is missing; "auto" takes the first runnable backend whose `auto` flag is set, in
-AUTO_ORDER. sm103 has never run on a Blackwell GPU: it is used only when asked for by name.
-
-A plan is what a layer owns: every device resource its calls need (workspaces, partition streams, captured graphs)
-lives in it, never in a module-global cache. `LayerOptions(emulate=True)` asks a kernel backend for a plan that runs
-the same pipeline with torch models of its kernels on any device (what CPU CI drives end to end).
+BackendUnavailable naming what is missing; "auto" takes the first runnable backend in AUTO_ORDER whose `auto` flag is
+set. A plan owns every device resource its layer's calls need, never a module-global cache;
+`LayerOptions(emulate=True)` runs a kernel backend's pipeline on torch models of its kernels (what CPU CI drives).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The sm103 backend: gcmoe-gemm-sm103's tcgen05 block-scaled W1 / W2 (Blackwell B300, sm_103a) inside the layer
 pipeline, or, with LayerOptions(emulate=True), the same pipeline on the torch models of those kernels (any device).
 
-    prepack   MXFP4 experts, shared ones appended as experts E..E+S-1 (MoEWeights.shared_as_experts)
-              -> (w13 data, w13 sf, w2 data, w2 sf): uint8 K128 tiles and 512-byte scale atoms
-                 (gcmoe_gemm_sm103.prepack; W13 rows interleaved gate/up)
-    forward   append_shared        ids, weights += the shared experts' slots k..k+S-1 (weight 1)
-              group_rows           (token, slot) pairs sorted by expert, each expert's rows padded to n_tile
-              prepare_activations  FP8 1x128 rows, their scales, the routing weight per row
-              W1                   run_w1 | emulate_w1: SwiGLU * route_w -> FP8 h [R, I] + scales
-              W2                   run_w2 | emulate_w2: bf16 rows -> out[slot] [T * slots, H]
-              combine_slots        y [T, H] = fp32 sum over slots in order, rounded to bf16
+prepack: the MXFP4 experts, shared ones appended as experts E..E+S-1, as K128 tiles and scale atoms
+(gcmoe_gemm_sm103.prepack); forward: gcmoe_core.grouping.grouped_forward around W1 and W2.
 
 One rank only (ep_size = 1): no dispatch kernels around the GEMMs. The kernels have never run on a Blackwell GPU
 (gcmoe_gemm_sm103.VERIFIED_ON_HARDWARE), so `auto` never picks this backend. Value checks read the ids on the host
