@@ -86,9 +86,9 @@ def test_eager_captured_compiled_and_comm_sizes_are_bit_identical():
     for c, layer in layers.items():
         assert first_mismatch(layer(x, ids, w), want) == "", f"comm_sms={c}"
     # the shared expert's W1 prefetched into L2 beside the comm kernels (on by default at T = 1) changes no value
-    assert len(layers[0].packed.plan.lane(torch.cuda.current_stream()).prefetch_ranges) == 2  # its weights, scales
+    assert len(layers[0].packed.plan.prefetch_ranges) == 2  # its weights, scales
     plain = _layer(weights=weights, comm_sms=0)[0]
-    plain.packed.plan.lane(torch.cuda.current_stream()).prefetch = None  # (the test drops the side branch)
+    plain.packed.plan.prefetch_ranges = ()  # (the test drops the side branch)
     x1, ids1, w1 = _tokens(CFG, 1, "uniform", 6)
     assert first_mismatch(plain(x, ids, w), want) == ""
     assert first_mismatch(plain(x1, ids1, w1), layers[0](x1, ids1, w1)) == ""
@@ -328,7 +328,7 @@ def test_roles_keep_their_partitions_inside_a_callers_capture(monkeypatch):
     """The %smid probe kernel recorded beside the dispatch and finalize roles (the test wraps the role nodes the
     backend hands to gcmoe_greenctx.enqueue_roles) lands on disjoint SM sets of the lane's partition sizes."""
     import gcmoe_greenctx
-    from gcmoe_greenctx.kernel_smid import record_smids
+    from gcmoe_lab.kernel_smid import record_smids
 
     layer, _ = _layer(seed=14, comm_sms=16)
     x, ids, w = _tokens(CFG, 8, "uniform", 8)
@@ -343,7 +343,7 @@ def test_roles_keep_their_partitions_inside_a_callers_capture(monkeypatch):
     torch.cuda.synchronize()
     plain_enqueue = gcmoe_greenctx.enqueue_roles
 
-    def probed(p, roles, overlap, streams=None):
+    def probed(p, roles, overlap):
         def dispatch():
             roles.dispatch()
             record_smids(comm_ids, 20_000)
@@ -352,7 +352,7 @@ def test_roles_keep_their_partitions_inside_a_callers_capture(monkeypatch):
             roles.finalize()
             record_smids(comp_ids, 20_000)
 
-        plain_enqueue(p, gcmoe_greenctx.RoleNodes(dispatch, roles.compute, finalize), overlap, streams)
+        plain_enqueue(p, gcmoe_greenctx.RoleNodes(dispatch, roles.compute, finalize), overlap)
 
     monkeypatch.setattr(gcmoe_greenctx, "enqueue_roles", probed)
     g = torch.cuda.CUDAGraph()
@@ -401,15 +401,16 @@ def test_first_call_inside_a_callers_capture_on_a_fresh_stream(cfg, comm_sms):
 
 @pytest.mark.sm90
 def test_a_dropped_layer_frees_its_lanes_at_once():
-    """No reference cycle holds a layer's plan or lanes: dropping the layer frees its graphs, streams and workspaces
-    at once, not when the cyclic GC runs (which can be inside someone else's capture)."""
+    """No reference cycle holds a layer's plan or lanes: dropping the last layer of a pool's shape class frees its
+    graphs, streams and workspaces at once, not when the cyclic GC runs (which can be inside someone else's
+    capture)."""
     import gc
     import weakref
 
     gc.collect()
     gc.disable()
     try:
-        layer, _ = _layer(comm_sms=16)
+        layer, _ = _layer(comm_sms=16, pool=gcmoe.LayerPool())
         x, ids, w = _tokens(CFG, 6, "uniform", 31)
         layer(x, ids, w)
         with torch.cuda.stream(torch.cuda.Stream()):
@@ -438,7 +439,7 @@ def test_a_layer_torn_down_during_a_capture_does_not_invalidate_it(monkeypatch):
     gc.collect()
     gc.disable()  # the cycle below is collected where the test says, not earlier
     try:
-        old, _ = _layer(comm_sms=16, seed=32)
+        old, _ = _layer(comm_sms=16, seed=32, pool=gcmoe.LayerPool())
         x, ids, w = _tokens(CFG, 6, "uniform", 32)
         old(x, ids, w)  # a lane with its bucket graph
         torch.cuda.synchronize()

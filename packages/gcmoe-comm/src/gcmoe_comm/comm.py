@@ -169,15 +169,21 @@ class CommRank:
         return max(1, min(-(-tokens * (self.ws.spec.hidden // 8) // THREADS), FINALIZE_CTAS_PER_SM * self._sms))
 
     def publish(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, ticket: int | None = None
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        ticket: int | None = None,
+        status: int = 0,
     ) -> None:
         """One kernel: take the workspace under `ticket` (default: a new one), quantise x (FP8 1x128, bit-exact
         with gcmoe_core.formats) into this rank's published buffers, check and copy the routing (plus the shared
         slots), and tag READY = g once every CTA is done. An id outside [0, E) is recorded (Workspace.bad_input)
         and dropped: no rank computes that slot, and its combine row is zeroed (masked_ids: an id of -1 is dropped
-        the same way, unrecorded)."""
+        the same way, unrecorded). status: pinned int32 words [STATUS_WORDS] that keep the first BAD entry and its
+        ticket until the host clears them (a captured step's check; 0: none)."""
         args = self._publish_args(x, topk_ids, topk_weights, ticket)
-        self._launch_call("publish", 0, 0, args, self.publish_ctas(self._ntok))
+        self._launch_call("publish", 0, status, args, self.publish_ctas(self._ntok))
 
     def publish_dispatch(
         self,
@@ -187,16 +193,17 @@ class CommRank:
         ticket: int | None = None,
         ctas: int | None = None,
         tokens: int | None = None,
+        status: int = 0,
     ) -> None:
         """publish + dispatch (`ctas` dispatch CTAs, default dispatch_grid of T): where local_dispatch(`tokens`, the
         bound the call was sized for, default T) one kernel that quantises x straight into the ring (the same rows,
-        bits and checks; no published copy), else the two."""
+        bits and checks; no published copy), else the two. status: as publish."""
         if not self.local_dispatch(x.shape[0] if tokens is None else tokens):
-            self.publish(x, topk_ids, topk_weights, ticket)
+            self.publish(x, topk_ids, topk_weights, ticket, status)
             self.dispatch(ctas)
             return
         args = self._publish_args(x, topk_ids, topk_weights, ticket)
-        self._launch_call("dispatch_local", 0, 0, args, ctas or self.dispatch_grid(self._ntok))
+        self._launch_call("dispatch_local", 0, status, args, ctas or self.dispatch_grid(self._ntok))
 
     def local_dispatch(self, tokens: int) -> bool:
         """Whether publish_dispatch runs as one kernel for calls of up to `tokens` tokens: world size 1, ring rows of

@@ -4,45 +4,31 @@ One call on rank r (generation g = the call count since the last recover), each 
 
     publish    take the workspace (INUSE = ticket; a call finding another's ticket records ERR kind BUSY and does
                nothing); x -> FP8 + scales into pub_x/pub_sx; routing into pub_ids/pub_w: the caller's k slots, each
-               id checked (outside [0, E): BAD recorded, id -1 = dropped by every dispatch, never dereferenced;
-               compiled with masked_ids, an id of -1 is dropped unrecorded; non-finite weight of a kept slot: BAD
-               recorded, kept), then S shared slots (ids E .. E + S - 1, weight 1); the last
-               CTA: g = ++GEN; NTOK = T; OUT = the output pointer; release(sys) READY = g. Arguments come by value
-               or, on the slot path, from an argument block in device memory (the host copies each call's pointers
-               into it just before replaying the graph, so one captured graph serves every eager call; the last CTA
-               mirrors the calls consumed (SEQ) and BAD to the host's status words)
-               (ready: the READY signal alone, for buffers filled elsewhere)
+               checked (_check_slot: a bad id is recorded and dropped as -1, never dereferenced), then S shared slots
+               (ids E .. E + S - 1, weight 1); the last CTA: g = ++GEN; NTOK = T; OUT = the output pointer;
+               release(sys) READY = g. Arguments come by value or, on the slot path, from an argument block in device
+               memory the host fills just before replaying the graph, so one captured graph serves every eager call
+               (_call_args, _mirror_status). ready: the READY signal alone, for buffers filled elsewhere.
     dispatch   C CTAs (the launch's grid; comm.CommRank.dispatch_grid), a programmatic dependent launch after publish:
                  0. griddepcontrol.wait (publish has finished) before anything is read
                  1. thread q < P acquires peer q's READY == g (bounded), checks its GEN == g (written before
                     READY by the same publish: a READY = g beside another GEN is a forged or corrupted tag, recorded
                     like an expired wait with GEN as the value seen), reads its NTOK. P = 1: the only publish has
-                    finished (step 0), so READY is read and checked, not awaited, and with T by value the first
-                    routing ids load beside these words
+                    finished (step 0), so READY is read and checked, not awaited
                  2. every CTA: peers' ids -> smem (ring expert or -1: routed ids of this rank's experts, and the
                     shared ids only from this rank's own tokens), counts[w][q][e] by smem atomics, where warp w
                     takes the w-th of WARPS equal chunks of all ranks' entries in (q, t, j) order
-                 3. per-expert totals, BM-padded exclusive scan -> ring offsets; cursor[w][q][e] = offset[e] + rows
-                    of ranks < q + rows of rank q in chunks < w (the (expert, src rank, token, slot) order of
-                    gcmoe_core.multirank); CTA 0 writes offsets and counts
-                 4. each warp ranks its chunk 32 entries at a time (match.any + lanemask_lt): deterministic row of
-                    every (q, t, j); a CTA keeps the rows of the blocks it owns (block b -> CTA b mod C); then
-                    the CTA lets W1 launch (griddepcontrol.launch_dependents) and counts itself in RANKED (acq_rel);
-                    the last CTA resets it and releases (gpu) OFFS = g — what W1 and W2 acquire before reading the
-                    offsets. Past this point a CTA reads published buffers only for blocks whose L1_FULL tag W1
-                    acquires: OFFS and the tags W1 acquires imply every read of the peers' buffers done
-                 5. per owned block: one warp per row pulls x (16-byte loads from the peer), the scales (into the
-                    transposed sxT), the routing weight, and writes src and dst (the source rank's combine row);
-                    padding rows get src = -1 and dst = the sink row (their payload is not written: the GEMMs never
-                    store a padding column); then release(gpu) L1_FULL[b] = g — the tag W1 acquires
+                 3. per-expert totals, BM-padded exclusive scan -> ring offsets (_offsets)
+                 4. each warp ranks its chunk (_assign_rows): deterministic row of every (q, t, j); a CTA keeps the
+                    rows of the blocks it owns (block b -> CTA b mod C); then the CTA lets W1 launch
+                    (griddepcontrol.launch_dependents) and the last CTA releases (gpu) OFFS = g (_release_offs) —
+                    what W1 and W2 acquire before reading the offsets. Past this point a CTA reads published buffers
+                    only for blocks whose L1_FULL tag W1 acquires
+                 5. per owned block: one warp per row pulls x, its scales (into the transposed sxT), the routing
+                    weight, and writes src and dst (padding rows: src = -1, dst = the sink row); then release(gpu)
+                    L1_FULL[b] = g — the tag W1 acquires
     dispatch_local  world size 1, calls whose ring rows are small (comm.LOCAL_DISPATCH_MAX_BYTES): publish and
-               dispatch as one kernel, not a programmatic dependent launch. Each CTA loads its first routing entries
-               beside one thread's ERR -> INUSE (CAS) -> GEN chain, checks and ranks them as steps 2-4 (CTA 0
-               records BAD and zeroes dropped slots' combine rows), lets W1 launch, and the last CTA past the ranking
-               writes the publish's words (the slot path's SEQ / status, GEN = READY = g, NTOK, OUT) under the
-               release of OFFS = g; step 5 then quantises each owned row straight from the caller's x (the same
-               bits as publish's, a token once per ring row it lands in) and tags the block. No published copy,
-               one kernel boundary fewer
+               dispatch as one kernel (k_dispatch_local): no published copy, one kernel boundary fewer
     [W1, W2]   the compute partition (gcmoe-gemm-sm90): W1 acquires OFFS and each block's L1_FULL; W2 scatters row i
                to rank src[i,0]'s combine row src[i,1] * (k + S) + src[i,2] through the combine peer table
     finalize   F CTAs (comm.CommRank.finalize_grid), a programmatic dependent launch in W2's tail that waits for W2
@@ -60,21 +46,10 @@ combine buffer for call g + 1 only after acquiring r's READY = g + 1. The receiv
 the reset of one never races the next call's arrivals (the protocol model, packages/gcmoe-comm/tests/protocol_model.py,
 checks all this).
 
-Latency: at small T each kernel is a chain of dependent round trips to L2 (or a peer), not bandwidth; wherever the
-words a thread reads do not depend on each other they are loaded together before the first is used (publish: the
-argument block beside ERR, then the last CTA's ERR / GEN / SEQ / BAD; dispatch: a peer's GEN and NTOK after its
-READY, a row's FP8 bytes, scales and weight before its stores; finalize: INUSE, ERR, GEN, OUT, NTOK), and loads that
-do not depend on a round trip are issued before it: publish's first x group and routing slot per thread beside thread
-0's ERR / INUSE, at P = 1 dispatch's first ids and finalize's first combine rows beside their state words, and step 5
-reads its owned rows' sources from shared memory (kept by step 4) instead of ring_src.
-
-Every wait is bounded (timeout_ns, %globaltimer) and also ends when ERR is set: on expiry the waiting thread records
-(kind, rank, generation, value seen) in the rank's ERR words and the kernel skips its work; every kernel starts by
-reading ERR and does nothing once it is set, so a failed call drains in one bound instead of hanging.
-Workspace.check() raises it. While kernels are loaded (CommRank.load) the host sets ERR to WARMUP: each kernel
-launches once and returns at once.
-
-Peer addresses reach the kernels by value (a tuple of P Int64 kernel parameters, staged once into shared memory).
+Latency: at small T each kernel is a chain of dependent round trips to L2 (or a peer), not bandwidth, so wherever the
+words a thread reads do not depend on each other they are loaded together before the first is used, and loads that
+do not depend on a round trip are issued before it. Every wait is bounded and ends when ERR is set
+(gcmoe_core.signals); peer addresses come by value (a tuple of P Int64 kernel parameters, staged into shared memory).
 """
 
 # No `from __future__ import annotations`: the DSL reads the annotations as live objects.
@@ -135,7 +110,8 @@ SRC_BLOCKS = 4  # dispatch: a CTA's first owned ring blocks whose rows' sources 
 QUANT_BATCH = 16  # local dispatch: (row, group) items a warp loads before quantising the first (_quantize_rows)
 NSLOTS = 64  # the host's pinned staging slots of the argument block (slot path): in flight at once, at most
 SLOT_WORDS = 8  # int64 per argument block: x, ids, weights, out, T, ids are int64, -, -
-STATUS_WORDS = 16  # int32 host status: [0] SEQ done, [1:5] BAD of that call, [8:13] ERR
+STATUS_WORDS = 16  # int32 host status: [0] SEQ done, [1:5] BAD of that call, [5] its ticket, [8:13] ERR, [13] ticket
+STATUS_BAD_TICKET, STATUS_ERR_TICKET = 5, 13  # of the call whose BAD entry / failed wait the words hold
 
 
 @dataclass(frozen=True)
@@ -360,9 +336,12 @@ class CommKernels:
         return e, w
 
     @cute.jit
-    def _mirror_status(self, own: Int64, slots: Int64, status: Int64):
-        """One thread, the slot path (slots != 0) once the call's routing is checked: SEQ += 1, and with status
-        words the call's BAD entry to the host, then the SEQ it completes (release, sys)."""
+    def _mirror_status(self, own: Int64, slots: Int64, status: Int64, ticket: Int32):
+        """One thread, once the call's routing is checked. The slot path (slots != 0): SEQ += 1, and with status
+        words the call's BAD entry and ticket to the host, then the SEQ it completes (release, sys). A call with its
+        arguments by value (a caller's capture) and status words (a step's words, STEP_STATUS): its BAD entry and
+        ticket to the host only if the call had one and the words hold none yet (the first of a step is kept until
+        the host clears it)."""
         if slots != 0:
             seq = ld_u32(own + SIG_SEQ * 4)
             bad = [Int32(0)] * 4
@@ -374,8 +353,19 @@ class CommKernels:
                 for w in cutlass.range_constexpr(4):
                     st_u32(status + 4 + 4 * w, bad[w])
                     st_u32(own + SIG_BAD * 4 + 4 * w, 0)
+                st_u32(status + 4 * STATUS_BAD_TICKET, ticket)
                 fence_sys()
                 st_release_u32(status, seq + 1, "sys")
+        elif status != 0:
+            code = ld_u32(own + SIG_BAD * 4)
+            if code != 0:
+                if ld_u32(status + 4) == 0:
+                    for w in cutlass.range_constexpr(4):
+                        st_u32(status + 4 + 4 * w, ld_u32(own + SIG_BAD * 4 + 4 * w))
+                    st_u32(status + 4 * STATUS_BAD_TICKET, ticket)
+                for w in cutlass.range_constexpr(4):
+                    st_u32(own + SIG_BAD * 4 + 4 * w, 0)
+                fence_sys()
 
     @cute.kernel
     def k_publish(
@@ -443,7 +433,7 @@ class CommKernels:
                 err = ld_u32(own + SIG_ERR * 4)
                 gen = ld_u32(own + SIG_GEN * 4)
                 st_u32(own + SIG_PUB_DONE * 4, 0)
-                self._mirror_status(own, slots, status)
+                self._mirror_status(own, slots, status, ticket)
                 self._signal_ready(own, ntok, out, err, gen)
 
     # ---------------------------------------------------------------- dispatch
@@ -573,7 +563,15 @@ class CommKernels:
 
     @cute.jit
     def _release_offs(
-        self, own: Int64, g: Int32, local: cutlass.Constexpr, slots: Int64, status: Int64, ntok: Int32, out: Int64
+        self,
+        own: Int64,
+        g: Int32,
+        local: cutlass.Constexpr,
+        slots: Int64,
+        status: Int64,
+        ntok: Int32,
+        out: Int64,
+        ticket: Int32,
     ):
         """Thread 0 of each CTA past its reads of the routing: the last of them releases (gpu) OFFS = g, the ring's
         shape for call g that W1 and W2 acquire (also saying no CTA still reads the routing). The local dispatch
@@ -584,7 +582,7 @@ class CommKernels:
         if atom_add_u32(own + SIG_RANKED * 4, 1, "acq_rel", "gpu") == C - 1:
             st_u32(own + SIG_RANKED * 4, 0)  # for the next call (ordered before OFFS by the release)
             if cutlass.const_expr(local):
-                self._mirror_status(own, slots, status)
+                self._mirror_status(own, slots, status, ticket)
                 st_u32(own + SIG_GEN * 4, g)
                 st_u32(own + SIG_READY * 4, g)
                 st_u32(own + SIG_NTOK * 4, ntok)
@@ -760,9 +758,7 @@ class CommKernels:
                 sflag[0] = 1
         cute.arch.sync_threads()
         if failed == 0 and sflag[0] == 0:
-            # 2. ids -> smem, counts per (warp chunk, src rank, ring expert); shared ids only from this rank's own
-            #    tokens. Warp w takes entries [w c, (w + 1) c) of all ranks' entries in (src rank, token, slot)
-            #    order, c = the total over WARPS rounded up to 32: steps 2 and 4 split the entries the same way
+            # 2. ids -> smem, counts per (warp chunk, src rank, ring expert): steps 2 and 4 split the entries alike
             for i in cutlass.range(tid, WARPS * P * REL, THREADS, unroll=1):
                 scur[i] = 0
             total = Int32(0)
@@ -795,7 +791,7 @@ class CommKernels:
             # partition W1 is not launched after this grid; CTAs without blocks release no tag)
             cute.arch.griddepcontrol_launch_dependents()
             if tid == 0:
-                self._release_offs(own, g, False, Int64(0), Int64(0), Int32(0), Int64(0))
+                self._release_offs(own, g, False, Int64(0), Int64(0), Int32(0), Int64(0), Int32(0))
             # 5. pull the rows of the owned blocks, then tag each block with the generation
             self._fill_blocks(own, speer, soff, stot, ssrc, g, False, Int64(0), Int64(0))
 
@@ -887,7 +883,7 @@ class CommKernels:
             self._assign_rows(own, sntok, sids, scur, ssrc, c0, c1, warp, lane)
             g = sflag[1]
             if tid == 0:
-                self._release_offs(own, g, True, slots, status, ntok, out)
+                self._release_offs(own, g, True, slots, status, ntok, out, ticket)
             # 5. quantise the rows of the owned blocks, then tag each block with the generation
             self._fill_blocks(own, speer, soff, stot, ssrc, g, True, x, wts)
 
@@ -1033,9 +1029,12 @@ class CommKernels:
                 nan2 = Int32(0x7FC07FC0)
                 for it in cutlass.range(cta * THREADS + tid, t_count * per_tok, F * THREADS, unroll=1):
                     st_v4(out + Int64(it) * 16, nan2, nan2, nan2, nan2)
-        if cta == 0 and tid == 0 and status != 0:  # the ERR words to the host (the slot path's status)
+        if cta == 0 and tid == 0 and status != 0:  # the ERR words to the host, the first failed call's ticket
+            err = ld_u32(own + SIG_ERR * 4)
             for w in cutlass.range_constexpr(5):
                 st_u32(status + 32 + 4 * w, ld_u32(own + SIG_ERR * 4 + 4 * w))
+            if err != 0 and ld_u32(status + 4 * STATUS_ERR_TICKET) == 0:
+                st_u32(status + 4 * STATUS_ERR_TICKET, ticket)
 
     @cute.jit
     def finalize(

@@ -8,16 +8,12 @@ Every limit the GC-MoE design states is checked here, once, before anything laun
     k + shared <= 32, E <= 2048, P <= 72, E % P == 0
 
 The two multiples bind the kernels, not the caller: a layer whose H or I is not a multiple (gpt-oss: H = I = 2880) is
-padded internally — `padded()` is the kernel-facing config (H up to a multiple of 256, I of 128; I <= 4096 is checked
-on the padded I), the weights get zero rows / columns / bias entries once at load and x zero columns per call, and
-the caller sees x [T, H] in, y [T, H] out. The padding is exact (gcmoe_core.reference.MoEWeights.padded says why).
+padded internally — `padded()` is the kernel-facing config (I <= 4096 is checked on the padded I), the weights get
+zero rows / columns / bias entries once at load and x zero columns per call, and the caller sees x [T, H] in, y [T,
+H] out. The padding is exact (gcmoe_core.reference.MoEWeights.padded says why).
 
-The expert's activation (`activation`, gcmoe_core.reference.Activation):
-    "swiglu"          act = silu(gate) * up
-    "swiglu_clamped"  gate = min(gate, limit); up = clamp(up, -limit, limit); act = gate * sigmoid(alpha * gate) * (up
-                      + 1)    (gpt-oss: alpha = 1.702, limit = 7.0)
-has_bias: gu = W13 x + b13 (b13 fp32 [E, 2I], gate entries then up entries) and row = W2 act + b2 (b2 fp32 [E, H]);
-the routing weight multiplies the biased row. Not with shared experts (no model has both: ValueError).
+The expert's activation ("swiglu", or gpt-oss' "swiglu_clamped" with swiglu_alpha / swiglu_limit) is written out in
+gcmoe_core.reference.Activation, the biases (has_bias; not with shared experts) in gcmoe_core.reference.
 
 Call arguments (x, topk_ids, topk_weights) are checked for type, dtype, shape, device and contiguity on every call
 (host-side metadata only, graph-capture safe). Value checks (ids in range — or -1 where MoEConfig.masked_ids says a
@@ -90,7 +86,7 @@ class MoEConfig:
     weight is neither used nor checked, and a token whose every slot is -1 yields its shared-expert output only
     (zeros without shared experts). Any other id outside [0, E) is still an error.
     activation / swiglu_alpha / swiglu_limit / has_bias: the expert's activation and biases (module docstring).
-    H and I need not be multiples of the kernels' tiles: they are padded internally (`padded()`).
+    H and I need not be multiples of the kernels' tiles (`padded()`).
     """
 
     hidden_size: int
@@ -205,17 +201,7 @@ class MoEConfig:
         """The routed experts one rank holds under EP = ep, as a world-size-1 layer (E/ep experts, every token routed
         among them): the per-rank compute of the GEMM benchmarks."""
         full = cls.from_model(name, ep_size=ep)
-        fields = {
-            "hidden_size": full.hidden_size,
-            "intermediate_size": full.intermediate_size,
-            "num_experts": full.local_experts,
-            "top_k": full.top_k,
-            "num_shared_experts": full.num_shared_experts,
-            "ep_size": 1,
-            "activation": full.activation,
-            "has_bias": full.has_bias,
-        }
-        return cls(**{**fields, **overrides})
+        return full.replace(**{"num_experts": full.local_experts, "ep_size": 1, **overrides})
 
 
 def _check_tensor(arg: str, t, dtypes: tuple[torch.dtype, ...], shape: tuple[int | None, ...]) -> None:
@@ -245,6 +231,8 @@ def validate_call(
     check_values: bool = True,
 ) -> None:
     """Raise ValueError naming the argument and the limit for any bad call argument; nothing launches before."""
+    if not check_values and _plain_cuda_call(cfg, x, topk_ids, topk_weights, device):
+        return
     _check_tensor("x", x, (torch.bfloat16,), (None, cfg.hidden_size))
     if not torch.compiler.is_compiling() and x.data_ptr() % 4:  # (the kernels load x two bf16 at a time)
         _fail("x", f"data must be 4-byte aligned, got address {x.data_ptr():#x} (an odd storage offset)")
@@ -262,6 +250,37 @@ def validate_call(
         check_call_values(cfg.num_experts, topk_ids, topk_weights, cfg.masked_ids)
 
 
+def _plain_cuda_call(cfg: MoEConfig, x, topk_ids, topk_weights, device: torch.device | None) -> bool:
+    """The common case of validate_call in a few attribute reads (an eager call costs host time per layer): plain
+    contiguous CUDA tensors of the right dtypes and shapes on the layer's device. True only where the full checks
+    pass; anything else (False) takes them, which name the problem."""
+    if device is None or device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    if not type(x) is type(topk_ids) is type(topk_weights) is torch.Tensor:
+        return False
+    xs = x.shape
+    if len(xs) != 2 or xs[1] != cfg.hidden_size or xs[0] > cfg.max_tokens_per_rank:
+        return False
+    slots = (xs[0], cfg.top_k)
+    dev = device.index
+    return (
+        topk_ids.shape == slots
+        and topk_weights.shape == slots
+        and x.dtype == torch.bfloat16
+        and topk_ids.dtype in _IDS
+        and topk_weights.dtype == torch.float32
+        and x.get_device() == dev
+        and topk_ids.get_device() == dev
+        and topk_weights.get_device() == dev
+        and x.is_contiguous()
+        and topk_ids.is_contiguous()
+        and topk_weights.is_contiguous()
+        and not (x.is_neg() or topk_ids.is_neg() or topk_weights.is_neg())
+        and x.data_ptr() % 4 == 0
+    )
+
+
+_IDS = (torch.int32, torch.int64)
 MASKED_ID = -1  # with MoEConfig.masked_ids: the id of a slot that contributes nothing
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +63,12 @@ def get_int(name: str) -> int:
 
 
 def get_bool(name: str) -> bool:
-    return get(name).strip().lower() not in ("0", "false", "no", "off", "")
+    return _truthy(get(name))
+
+
+@functools.lru_cache(maxsize=64)
+def _truthy(raw: str) -> bool:
+    return raw.strip().lower() not in ("0", "false", "no", "off", "")
 
 
 def cache_dir() -> Path:

@@ -16,6 +16,7 @@ from .backends import BackendUnavailable, choose
 from .checkpoints import MoECheckpointInfo, load_moe_layer, load_moe_layer_weights
 from .engine import fused_experts
 from .layer import MoELayer, PackedMoE, moe, prepack
+from .pool import LayerPool, default_pool, micro_batch
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "MODEL_SHAPES",
     "BackendUnavailable",
     "CommError",
+    "LayerPool",
     "MXFP4Tensor",
     "MoECheckpointInfo",
     "MoEConfig",
@@ -30,9 +32,11 @@ __all__ = [
     "MoEWeights",
     "PackedMoE",
     "choose",
+    "default_pool",
     "fused_experts",
     "load_moe_layer",
     "load_moe_layer_weights",
+    "micro_batch",
     "moe",
     "prepack",
     "quantize_mxfp4",

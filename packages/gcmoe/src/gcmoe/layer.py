@@ -11,7 +11,8 @@
 
 Every call validates its arguments (ValueError naming the argument and the limit) before anything launches. Eager
 calls go straight to the layer's plan; under torch.compile the call is the custom op torch.ops.gcmoe.moe_forward.
-A layer owns its plan (workspaces, partition, graphs): layers never share device state.
+A layer owns its plan (weights, graphs); its transient call state (workspace, partitions) lives in lanes it shares
+with the layers of its shape class that run one after another (gcmoe.pool: one lane per stream or micro-batch).
 
 Padding (H or I not a multiple of the kernels' tiles, e.g. gpt-oss's 2880): prepack pads the weights once to
 cfg.padded() (MoEWeights.padded: zero rows, columns and bias entries, exact) and every backend sees only the padded
@@ -189,7 +190,9 @@ class MoELayer(torch.nn.Module):
 
     comm_sms: SMs of the communication partition (None: tuned per device and shape, GCMOE_COMM_SMS forces it; 0: no
     partition). group: the process group of the ep_size ranks (ep_size > 1). emulate: the backend's pipeline with
-    torch models of its kernels (any device). kernel_config / timeout_ms: see gcmoe.backends.LayerOptions."""
+    torch models of its kernels (any device). pool: the gcmoe.LayerPool it shares lanes in (default: the device's,
+    gcmoe.default_pool); name: the layer's name in errors. kernel_config / timeout_ms: see
+    gcmoe.backends.LayerOptions."""
 
     def __init__(
         self,
@@ -202,11 +205,13 @@ class MoELayer(torch.nn.Module):
         emulate: bool = False,
         kernel_config=None,
         timeout_ms: float | None = None,
+        pool=None,
+        name: str | None = None,
     ):
         super().__init__()
         self.cfg = cfg
         self.device = _device(device if device is not None else "cpu")
-        self.options = LayerOptions(comm_sms, group, emulate, kernel_config, timeout_ms)
+        self.options = LayerOptions(comm_sms, group, emulate, kernel_config, timeout_ms, pool, name)
         self.backend = backend or "reference" if emulate else choose(self.device, backend, cfg.padded())
         self.packed: PackedMoE | None = None
 

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from gcmoe_core.config import MoEConfig
+from gcmoe_core.cutedsl import dsl_available
 from gcmoe_core.formats import MXFP4Tensor
 from gcmoe_core.reference import MoEWeights
 
@@ -28,6 +29,8 @@ class LayerOptions:
     emulate      run the kernel backend's pipeline with torch models of its kernels (any device; tests, CPU CI)
     kernel_config  backend-specific kernel configuration forcing every call's choice (tests, ablations)
     timeout_ms   bound on every cross-rank / cross-partition wait (default GCMOE_COMM_TIMEOUT_MS)
+    pool         the gcmoe.LayerPool whose lanes the layer shares (default: gcmoe.default_pool of its device)
+    name         the layer's name in error messages (e.g. "model.layers.3.mlp")
     """
 
     comm_sms: int | None = None
@@ -35,6 +38,8 @@ class LayerOptions:
     emulate: bool = False
     kernel_config: Any = None
     timeout_ms: float | None = None
+    pool: Any = None
+    name: str | None = None
 
 
 class LayerPlan(Protocol):
@@ -58,6 +63,9 @@ class LayerPlan(Protocol):
 
 
 class Backend(Protocol):
+    """missing: None when it runs there, else what is missing (host checks); prepack: once, at load, MoEWeights ->
+    the backend's device tensors; plan: once per layer."""
+
     name: str
     auto: bool  # `auto` may choose it
 
@@ -89,7 +97,7 @@ def kernel_package_missing(module: str, cfg: MoEConfig | None) -> str | None:
         mod = __import__(module)
     except ImportError as e:
         return f"the {module} package ({e})"
-    missing = mod.kernels_missing()
+    missing = dsl_available()
     if missing is None and cfg is not None:
         why = mod.layer_missing(cfg.hidden_size, cfg.intermediate_size, cfg.local_experts + cfg.num_shared_experts)
         if why:

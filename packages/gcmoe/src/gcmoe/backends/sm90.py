@@ -20,34 +20,31 @@ green-context partitions; replayed as a captured role graph per token bucket. Th
     comm_sms = 0 for the bucket (the tuned policy above its token threshold, or MoELayer(comm_sms=0)): the same five
     kernels on the caller's stream, in order.
 
-Resources (all owned by the plan and its lanes; nothing module-global):
-    lane       one per caller stream (created on that stream's first call, also under capture: relaxed capture mode
-               on a private stream): its workspace (Workspace.virtual for P = 1, Workspace.symmetric for P > 1 or
-               when a process group is given: collective, so P > 1 layers make their one lane at load), CommRank,
-               W1 output buffers, its own green-context split per comm size it runs, the pinned argument staging
-               slots and status words, the device argument block, and one captured graph per token bucket. Every
-               kernel is loaded into each CUDA context it launches in (the caller's, and each green partition's:
-               module loads are lazy per context) before a capture could record its first launch there. Calls on two
-               streams never share a workspace; two captures replayed at once on one lane are refused on the device
+Resources (owned by the plans and their lanes; nothing module-global):
+    plan       per layer: the prepacked weights, the L2 prefetch ranges, one graph per (lane, token bucket) it served
+               eagerly (captured on first use, no device sync), and the lanes it takes.
+    lane       a call's transient state, shared by the layers of a shape class through their pool (gcmoe.pool: the
+               rule and the checks): workspace, CommRank, W1 output, green-context splits per comm size, pinned
+               argument slots, status and step check words, the device argument block, its own streams. P > 1 (or a
+               process group): MICRO_BATCHES lanes made at load (Workspace.symmetric is collective) with every
+               bucket's kernels loaded before the rendezvous. Every kernel is loaded into each CUDA context it
+               launches in (the caller's, each green partition's: loads are lazy per context) before a capture could
+               record its first launch there. Two captures replayed at once on one lane are refused on the device
                (ERR kind BUSY -> CommError), never silently mixed.
-    teardown   a lane refers to its plan weakly (no reference cycle): a dropped layer frees its lanes at once, not
-               whenever the cyclic GC runs. A lane dropped while some stream captures (its layer was held in a
-               caller's cycle and the GC ran inside an engine's capture) releases its graphs, streams and partitions
-               in relaxed capture mode (gcmoe_greenctx.relaxed_capture), which leaves the caller's capture valid.
-    streams    every stream the plan or a lane uses for itself (set-up under a capture, the L2 prefetch branch, bucket
-               graph capture, partitions) is its own (gcmoe_greenctx.OwnedStream), never one from torch's pool, which
-               past 32 objects can hand out the very stream a caller is capturing.
+    teardown   a lane holds no plan, the pool holds lanes weakly: a dropped layer frees its graphs at once, the last
+               one of a shape class its lanes. Dropped during someone's capture (the GC ran inside it), they release
+               graphs, streams and partitions in relaxed capture mode (gcmoe_greenctx.relaxed_capture).
+    streams    every stream the pool or a lane uses for itself is its own (gcmoe_greenctx.OwnedStream), never one of
+               torch's pool, which past 32 objects can hand out the very stream a caller is capturing.
     eager call the call's pointers and T written to the next pinned staging slot, one async copy of it into the
-               device argument block, then the bucket's graph replayed: no kernel is launched from Python and
-               nothing is captured per call (~45 µs of host time, GPU-bound when called back to back).
-    captured   inside a caller's torch.cuda.graph capture, the same kernels are enqueued with their arguments by
-               value on the lane's partition streams forked from the capture stream: the caller's graph keeps the
-               layer's nodes on their partitions.
-    checks     ids outside [0, E) and non-finite weights are checked by publish on the device (a bad id is dropped,
-               never dereferenced) and raised as ValueError on the next call (which waits for the previous call's
-               publish when values are checked); a failed cross-rank wait raises CommError at the next call once
-               its finalize ran (or at layer.check()). With MoEConfig.masked_ids the comm kernels are compiled to
-               drop an id of -1 the same way without recording it (and without checking its weight).
+               device argument block, the bucket's graph replayed (host time: docs/benchmarks/index.md, Model step).
+    captured   inside a caller's capture, the same kernels enqueued with arguments by value, on the lane's partition
+               streams forked from the capture stream.
+    checks     publish checks ids in [0, E) and finite weights on the device (a bad id is dropped, never
+               dereferenced): ValueError at the lane's next eager call (which waits for the previous call's publish
+               when values are checked); a failed cross-rank wait: CommError at the next call or layer.check(), and
+               NaN from every later call on the lane until recover(). Captured calls: pool.check(). With
+               MoEConfig.masked_ids an id of -1 is dropped the same way, unrecorded (its weight unchecked).
 
 gpt-oss (MoEConfig.activation = "swiglu_clamped", has_bias): the same kernels compiled with their epilogue flags
 (Sm90Config.activation / bias, from MoESm90.config_for): W1 adds b13 and clamps, W2 adds the ring row's routing
@@ -62,7 +59,6 @@ import contextlib
 import math
 import threading
 import time
-import weakref
 from dataclasses import replace
 
 import torch
@@ -113,7 +109,7 @@ class Sm90Backend:
     def plan(self, cfg: MoEConfig, tensors, device: torch.device, options: LayerOptions):
         if options.emulate:
             return Sm90EmulatedPlan(cfg, tensors, device, options)
-        return Sm90Plan(cfg, tensors, device, options)
+        return Sm90Plan(cfg, tensors, device, options, pool=options.pool, name=options.name)
 
 
 def _weights(cfg: MoEConfig, tensors, options: LayerOptions):
@@ -127,12 +123,25 @@ def _weights(cfg: MoEConfig, tensors, options: LayerOptions):
 
 # ------------------------------------------------------------------------------------------------- the GPU plan
 class Sm90Plan:
-    """One layer on the sm90 path. workspace: a given rank's workspace (virtual ranks, see virtual_ranks); by default
-    the plan makes its own (symmetric for ep_size > 1)."""
+    """One layer on the sm90 path: its weights, its bucket graphs, and its lanes (drawn from the pool, gcmoe.pool).
+    rank: this plan's virtual rank (virtual_ranks: the P ranks' lanes share one Workspace.virtual set); None: a
+    process of P ranks (symmetric memory for ep_size > 1)."""
 
-    def __init__(self, cfg: MoEConfig, tensors, device: torch.device, options: LayerOptions, workspace=None):
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        tensors,
+        device: torch.device,
+        options: LayerOptions,
+        rank: int | None = None,
+        pool=None,
+        name: str | None = None,
+    ):
         from .. import policy as tune_policy
+        from ..pool import MICRO_BATCHES, default_pool
 
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.cfg, self.device, self.options = cfg, device, options
         self.moe = _weights(cfg, tensors, options)
         self.spec = ring_spec(cfg)
@@ -143,10 +152,9 @@ class Sm90Plan:
         else:
             c = tune_policy.check_comm_sms(options.comm_sms, self.sm_count, "gcmoe: MoELayer(comm_sms=...)")
             self.policy = tune_policy.Policy(c, math.inf if c else 0, f"MoELayer(comm_sms={c})")
-        self.timeout_ms = options.timeout_ms
         self.group = options.group
-        self._workspace = workspace
-        if cfg.ep_size > 1 and self.group is None and workspace is None:
+        self.rank = rank
+        if cfg.ep_size > 1 and self.group is None and rank is None:
             import torch.distributed as dist
 
             if not dist.is_initialized():
@@ -155,42 +163,86 @@ class Sm90Plan:
                     "(init_process_group, then MoELayer(..., group=...) or the world group)"
                 )
             self.group = dist.group.WORLD
-        self._setup = None  # OwnedStream for set-up work under a caller's capture (outside_capture)
-        self._lanes: dict[int, Lane] = {}
+        self.pool = pool if pool is not None else default_pool(device)
+        self.name = name or f"an sm90 layer (H {cfg.hidden_size}, I {cfg.intermediate_size}, E {cfg.num_experts})"
+        # the shape class: layers with equal keys share lanes (their kernels, buffers and signals are alike)
+        group_key = None if self.group is None else self.group.group_name
+        self._shape = (cfg, options.timeout_ms, options.kernel_config, group_key, str(device))
+        self.collective = cfg.ep_size > 1 or self.group is not None  # lanes by micro-batch, made at load
+        from gcmoe_gemm_sm90.kernel_prefetch import MAX_RANGES
+
+        self.prefetch_ranges = self.moe.shared_w1_ranges()[:MAX_RANGES]
+        self._lanes: dict = {}  # lane key -> Lane (held here; the pool holds them weakly)
+        self._graphs: dict = {}  # (lane key, bucket) -> the bucket's captured role graph (the slot path)
         self._lock = threading.Lock()
-        self.lane(torch.cuda.current_stream(device))  # the load stream's lane: kernels loaded, (P > 1) rendezvous
+        if self.collective:
+            for m in range(MICRO_BATCHES):  # every micro-batch's lane: collective, so at load
+                self._lane(("micro_batch", m))
+            if rank is None:
+                import torch.distributed as dist
+
+                dist.barrier(self.group)
+        else:
+            self.lane(torch.cuda.current_stream(device))  # the load stream's lane: its kernels loaded
+
+    def __del__(self):
+        """Graphs destroyed in relaxed capture mode (the GC may drop a plan inside a caller's capture)."""
+        try:
+            with relaxed_capture():
+                self.__dict__.clear()
+        except Exception:  # (interpreter shutdown)
+            pass
 
     @contextlib.contextmanager
     def outside_capture(self):
         """Allocate and initialise (a lane, a partition, a kernel load) also while the caller's stream is being
-        captured: relaxed capture mode for this thread and the plan's own set-up stream, drained before the block
-        ends, so the memsets and kernel loads are not recorded into the caller's graph."""
+        captured: relaxed capture mode for this thread and the pool's set-up stream, drained before the block ends,
+        so the memsets and kernel loads are not recorded into the caller's graph."""
         if not torch.cuda.is_current_stream_capturing():
             yield
             return
-        from gcmoe_greenctx import OwnedStream
-
         with relaxed_capture():
-            if self._setup is None:
-                self._setup = OwnedStream(self.device)
-            with torch.cuda.stream(self._setup.stream):
+            setup = self.pool.setup_stream(self.device)
+            with torch.cuda.stream(setup.stream):
                 yield
-                self._setup.stream.synchronize()
+                setup.stream.synchronize()
 
     # -- lanes
-    def lane(self, stream: torch.cuda.Stream) -> Lane:
-        """The lane of a caller stream (created on its first call). ep_size > 1: the one lane made at load, whatever
-        the stream (its workspace is collective; concurrent calls on it are refused on the device, kind BUSY)."""
-        if (self.cfg.ep_size > 1 or self.group is not None) and self._lanes:
-            return next(iter(self._lanes.values()))
-        key = stream.cuda_stream
+    def lane(self, stream: torch.cuda.Stream | int) -> Lane:
+        """The lane of a call on `stream` (or its raw handle): collective (P > 1 or a process group): the current
+        micro-batch's (gcmoe.micro_batch); else the stream's. Made on first use, taken from the pool when another
+        layer of this shape class made it."""
+        if self.collective:
+            from ..pool import current_micro_batch
+
+            return self._lanes[("micro_batch", current_micro_batch())]
+        key = stream if isinstance(stream, int) else stream.cuda_stream
         lane = self._lanes.get(key)
-        if lane is None:
-            with self._lock:
-                lane = self._lanes.get(key)
-                if lane is None:
-                    lane = self._lanes[key] = Lane(self, stream, self._workspace)
+        return lane if lane is not None else self._lane(key)
+
+    def _lane(self, key) -> Lane:
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = self.pool.lane((self._shape, key, self.rank), lambda: Lane(self, key))
+                self._load(lane)
         return lane
+
+    def _load(self, lane: Lane) -> None:
+        """This layer's kernels loaded on a lane it takes (a no-op for configurations the lane has loaded); at P > 1
+        every bucket's, before the first cross-rank wait: a rank that compiles a new shape for seconds while its
+        peers already wait would look dead to them."""
+        buckets = _buckets(self.cfg.max_tokens_per_rank) if self.collective else ()
+        for b in buckets:
+            self._load_gemms(lane, self.kernel_config(b), self.policy.mode_for(b))
+        if self.prefetch_ranges and not lane.prefetch_loaded:
+            from gcmoe_gemm_sm90.ops import prefetch_l2
+
+            with self.outside_capture():
+                with torch.cuda.stream(lane.prefetch.stream):
+                    prefetch_l2(self.prefetch_ranges)
+                lane.prefetch.stream.synchronize()
+            lane.prefetch_loaded = True
 
     def kernel_config(self, bucket: int):
         return self.moe.config_for(bucket, self.cfg.top_k)
@@ -203,11 +255,11 @@ class Sm90Plan:
 
     # -- LayerPlan
     def forward(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
-        stream = torch.cuda.current_stream(self.device)
-        lane = self.lane(stream)
-        if torch.cuda.is_current_stream_capturing():
-            return lane.enqueue_captured(x, topk_ids, topk_weights)
-        return lane.call(x, topk_ids, topk_weights, check_values, stream)
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)  # (the handle: no Stream object per call)
+        lane = self._lanes.get(stream) or self.lane(stream)
+        if torch._C._cuda_isCurrentStreamCapturing():
+            return self.enqueue_captured(lane, x, topk_ids, topk_weights)
+        return self.call(lane, x, topk_ids, topk_weights, check_values, stream)
 
     def check(self) -> None:
         for lane in list(self._lanes.values()):
@@ -232,32 +284,200 @@ class Sm90Plan:
             "comm_sms_by_bucket": {b: self.policy.mode_for(b) for b in buckets},
             "n_tile_by_bucket": {b: self.kernel_config(b).n_tile for b in buckets},
             "lanes": len(self._lanes),
+            "pool": self.pool.describe(),
         }
+
+    # -- kernels
+    def _gemms(self, lane: Lane, kcfg, ticket: int, comm_sms: int = 0, signals: int | None = None, rows=None):
+        """W1 then W2 on the lane's ring (ring mode), on the current stream; stream_k W1 over one CTA per SM slot of
+        the compute partition (all SMs but comm_sms; the configuration's occupancy slots per SM). signals: their
+        signal words (default: the lane's workspace's). rows: their grid rows (grid_rows; default: one per ring
+        expert)."""
+        from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
+
+        x, sxT, rw, offs, cnt, dst, src = lane.ring
+        sync = lane.ring_sync(ticket, signals)
+        moe = self.moe
+        sk_ctas = kcfg.occupancy * (self.sm_count - comm_sms)
+        b13, b2 = moe.w13_bias, moe.w2_bias  # (gpt-oss) W2 adds the ring rows' route_w times b2
+        rw2 = rw if b2 is not None else None
+        grid = dict(grid_rows=rows, first_expert=self.first_row_expert())
+        hq, hsT = lane.hq, lane.hsT
+        launch_w1(moe.w13, x, sxT, rw, offs, cnt, hq, hsT, kcfg, sync, lane.sk_scratch, sk_ctas, b13, **grid)
+        launch_w2(moe.w2, hq, hsT, offs, cnt, dst, src, lane.comb, kcfg, sync, rw2, b2, **grid)
+
+    def _load_gemms(self, lane: Lane, kcfg, comm_sms: int = 0) -> None:
+        """Compile + load one bucket's W1 / W2 (once per lane, configuration and placement) by launching them on
+        signal words of their own, a scratch copy whose ERR says WARMUP: they return at once and touch nothing a call
+        in flight uses, so this is legal at any time, under a caller's capture too (where a first launch would load
+        the module inside the capture, and the load's synchronisation would invalidate it). Module loads are lazy
+        per CUDA context and a green context is a context of its own: with comm_sms, on the partition's compute
+        stream too (made here if new)."""
+        kcfg = ring_kernel_config(kcfg)
+        if (kcfg, comm_sms) in lane.loaded:
+            return
+        warm = lane.warm_signals.data_ptr()
+        with self.outside_capture():
+            self._gemms(lane, kcfg, 1, signals=warm)
+            if comm_sms:
+                compute = lane.partition(comm_sms, self.outside_capture).compute_stream
+                if not capturing(compute):  # (a stream of this lane already forked into the caller's capture)
+                    with torch.cuda.stream(compute):
+                        self._gemms(lane, kcfg, 1, comm_sms, signals=warm)
+                    compute.synchronize()  # nothing uncaptured left on a stream a capture may fork next
+        lane.loaded.add((kcfg, comm_sms))
+
+    def _enqueue(self, lane: Lane, bucket: int, ticket: int, publish, out: torch.Tensor | None):
+        """The kernels of one call as role nodes (gcmoe_greenctx.enqueue_roles): publish + dispatch on the lane's
+        comm stream (one kernel at world size 1: CommRank.publish_dispatch), W1, W2, finalize on its compute stream,
+        forked from and joined back to the current stream; comm_sms = 0 for the bucket: all in order on the current
+        stream. publish(dispatch_ctas) enqueues publish + dispatch (arguments by value or from the argument block).
+        out: given (a caller's capture): finalize writes it and mirrors a failed wait to the lane's step words;
+        None: the slot path's output and status words."""
+        from gcmoe_greenctx import RoleNodes, enqueue_roles
+
+        kcfg = ring_kernel_config(self.kernel_config(bucket))
+        status = lane.step_status.data_ptr() if out is not None else lane.status.data_ptr()
+        comm_sms = self.policy.mode_for(bucket)
+        # grids for the bucket: dispatch a CTA per ring block it can fill (on a partition: 2 per comm SM at most),
+        # finalize a thread per 16 output bytes
+        dispatch_ctas = lane.comm.dispatch_grid(bucket, 2 * comm_sms or None)
+        finalize_ctas = lane.comm.finalize_grid(bucket)
+
+        rows = self.grid_rows(bucket, kcfg, comm_sms)
+        roles = RoleNodes(
+            lambda: publish(dispatch_ctas),
+            lambda: self._gemms(lane, kcfg, ticket, comm_sms, rows=rows),
+            lambda: lane.comm.finalize(out, status=status, ctas=finalize_ctas),
+        )
+        with self._prefetch_beside(lane, bucket):
+            if comm_sms == 0:
+                for role in (roles.dispatch, roles.compute, roles.finalize):
+                    role()
+                return
+            enqueue_roles(lane.partition(comm_sms, self.outside_capture), roles, overlap=True)
+
+    @contextlib.contextmanager
+    def _prefetch_beside(self, lane: Lane, bucket: int):
+        """At bucket <= L2_PREFETCH_MAX_BUCKET: the shared experts' W1 weights prefetched into L2 on the lane's side
+        stream, forked from the current stream before the call's kernels and joined back after them (a graph branch
+        under a capture). The prefetch only reads the weights, which no call writes: it changes when bytes reach L2,
+        never a value."""
+        if not self.prefetch_ranges or bucket > L2_PREFETCH_MAX_BUCKET:
+            yield
+            return
+        from gcmoe_gemm_sm90.ops import prefetch_l2
+
+        here, side = torch.cuda.current_stream(self.device), lane.prefetch.stream
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            prefetch_l2(self.prefetch_ranges)
+        try:
+            yield
+        finally:
+            here.wait_stream(side)
+
+    # -- the captured path (inside a caller's capture): by-value arguments
+    def enqueue_captured(self, lane: Lane, x, topk_ids, topk_weights) -> torch.Tensor:
+        from gcmoe_comm.comm import new_ticket
+
+        t = x.shape[0]
+        bucket = token_bucket(t)
+        self._load_gemms(lane, self.kernel_config(bucket), self.policy.mode_for(bucket))  # (outside the capture)
+        out = torch.empty(t, self.cfg.hidden_size, dtype=torch.bfloat16, device=x.device)
+        ticket = new_ticket()
+        self.pool.name_ticket(ticket, self.name)
+        status = lane.step_status.data_ptr()
+        publish = lambda ctas: lane.comm.publish_dispatch(x, topk_ids, topk_weights, ticket, ctas, bucket, status)
+        self._enqueue(lane, bucket, ticket, publish, out)
+        return out
+
+    # -- the eager path: the bucket's graph, arguments through the lane's host slots
+    def graph(self, lane: Lane, bucket: int) -> torch.cuda.CUDAGraph:
+        """The bucket's captured role graph on this lane (the slot path), captured on its first eager use: on the
+        lane's own capture stream, this thread alone in capture mode, no device or stream synchronisation (the graph
+        records launches; nothing runs until a replay, which the caller's stream orders)."""
+        key = (lane.key, bucket)
+        g = self._graphs.get(key)
+        if g is None:
+            from gcmoe_comm.comm import new_ticket
+
+            ticket = new_ticket()
+            self.pool.name_ticket(ticket, self.name)
+            ctas = lane.comm.publish_ctas(bucket)
+            args, status = lane.args.data_ptr(), lane.status.data_ptr()
+            publish = lambda dispatch_ctas: lane.comm.publish_dispatch_slots(
+                args, status, ticket, ctas, dispatch_ctas, bucket
+            )
+            self._load_gemms(lane, self.kernel_config(bucket), self.policy.mode_for(bucket))  # (+ its partition)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(lane.capture_stream.stream):
+                g.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._enqueue(lane, bucket, ticket, publish, None)
+                finally:
+                    g.capture_end()
+            self._graphs[key] = g
+        return g
+
+    def call(self, lane: Lane, x, topk_ids, topk_weights, check_values: bool, stream: int) -> torch.Tensor:
+        """The eager path on `stream` (the current one's handle): a few Python steps, one async copy, one graph
+        launch."""
+        t = x.shape[0]
+        n = lane.seq
+        st = lane.status_np
+        lane.raise_comm_error()
+        if check_values and n > 0:
+            if st[0] < n:
+                lane.wait_done(n)  # the previous call's publish ran: its BAD words are in the status
+            if st[1]:
+                lane.raise_bad()
+        if n >= lane.nslots and st[0] < n - lane.nslots + 1:
+            lane.wait_done(n - lane.nslots + 1)  # staging slot n mod NSLOTS: its copy has run
+        out = torch.empty_like(x)  # [T, H] bf16 like x (validated contiguous)
+        graph = self._graphs.get((lane.key, token_bucket(t))) or self.graph(lane, token_bucket(t))
+        k = n % lane.nslots
+        row = lane.slots_np[k]
+        row[0], row[1], row[2], row[3] = x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr()
+        row[4], row[5] = t, topk_ids.dtype == torch.int64
+        err = _driver.cuMemcpyHtoDAsync(
+            lane.args_ptr, lane.slot0 + k * lane.slot_bytes, lane.slot_bytes, _driver.CUstream(stream)
+        )[0]
+        if err != _driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"gcmoe: copying the call's arguments to the device failed: {err}")
+        graph.replay()
+        lane.seq = n + 1
+        return out
 
 
 class Lane:
-    """One caller stream's resources (see the module docstring)."""
+    """The transient state of one call at a time, shared by the layers of a shape class (the module docstring's
+    resources; gcmoe.pool). `plan` only configures it: a lane holds no layer."""
 
-    def __init__(self, plan: Sm90Plan, stream: torch.cuda.Stream, workspace=None):
+    def __init__(self, plan: Sm90Plan, key):
         from gcmoe_comm.comm import CommRank
         from gcmoe_comm.kernels import NSLOTS, SLOT_WORDS, STATUS_WORDS
         from gcmoe_comm.workspace import SIG_ERR, Workspace
         from gcmoe_core.signals import ERR_WARMUP
         from gcmoe_greenctx import OwnedStream
 
-        self.plan = weakref.proxy(plan)  # (the plan holds its lanes: no cycle, see the module docstring)
         cfg, spec, dev = plan.cfg, plan.spec, plan.device
+        self.key, self.device, self.spec = key, dev, spec
+        self.pool = plan.pool
         self.nslots = NSLOTS
         # normal tensors even when the lane is made under torch.inference_mode (an engine's warm-up): its buffers are
         # written in place by later calls and by recover(), which may run outside it
         with plan.outside_capture(), torch.inference_mode(False):
-            if workspace is not None:
-                self.ws = workspace
-            elif cfg.ep_size > 1 or plan.group is not None:
+            if plan.rank is not None:  # a virtual rank: the P ranks' workspaces made together, held by each lane
+                self.siblings = plan.pool.shared(
+                    (plan._shape, key, "virtual"), lambda: _Workspaces(Workspace.virtual(spec, dev))
+                )
+                self.ws = self.siblings[plan.rank]
+            elif plan.collective:
                 self.ws = Workspace.symmetric(spec, plan.group)  # collective (a world-size-1 group: P = 1)
             else:
                 self.ws = Workspace.virtual(spec, dev)[0]
-            self.comm = CommRank(self.ws, timeout_ms=plan.timeout_ms, masked_ids=cfg.masked_ids)  # grids: _enqueue
+            self.comm = CommRank(self.ws, timeout_ms=plan.options.timeout_ms, masked_ids=cfg.masked_ids)
             v = self.ws.views
             rows, inter = spec.capacity, cfg.intermediate_size
             self.hq = torch.zeros(rows, inter, dtype=torch.uint8, device=dev)
@@ -277,42 +497,25 @@ class Lane:
             # (async, on the call's stream) into the device argument block the bucket graphs' publish reads
             self.slots = torch.zeros(NSLOTS, SLOT_WORDS, dtype=torch.int64, pin_memory=True)
             self.args = torch.zeros(SLOT_WORDS, dtype=torch.int64, device=dev)
-            self._args_ptr = _driver.CUdeviceptr(self.args.data_ptr())
-            self._slot0, self._slot_bytes = self.slots.data_ptr(), 8 * SLOT_WORDS
-            self._hidden = cfg.hidden_size
-            self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=True)
-            self._slots_np, self._status_np = self.slots.numpy(), self.status.numpy()
+            self.args_ptr = _driver.CUdeviceptr(self.args.data_ptr())
+            self.slot0, self.slot_bytes = self.slots.data_ptr(), 8 * SLOT_WORDS
+            self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=True)  # the slot path's
+            self.step_status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=True)  # captured calls'
+            self.slots_np, self.status_np = self.slots.numpy(), self.status.numpy()
+            self.step_np = self.step_status.numpy()
             self.seq = 0  # slot calls issued
             self.partitions: dict = {}  # comm SMs -> this lane's green-context split (gcmoe_greenctx.Partition)
             self.capture_stream = OwnedStream(dev)  # where the bucket graphs are captured
-            self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+            self.prefetch = OwnedStream(dev)  # the L2 prefetch branch
+            self.prefetch_loaded = False
             self.comm.load()  # every comm kernel loaded before the first cross-rank wait
-            # warm-up signal words (_load_gemms, _partition): zeros with ERR = WARMUP, never written by a kernel
-            self._warm_signals = torch.zeros_like(self.ws.views.signals)
-            self._warm_signals[SIG_ERR] = ERR_WARMUP
+            # warm-up signal words (Sm90Plan._load_gemms, partition): zeros with ERR = WARMUP, never written by a kernel
+            self.warm_signals = torch.zeros_like(self.ws.views.signals)
+            self.warm_signals[SIG_ERR] = ERR_WARMUP
             torch.cuda.current_stream(dev).synchronize()  # set before a warm-up on another stream may read it
-            self._loaded: set = set()  # (kernel configuration, comm SMs) whose W1 / W2 are loaded
-            # the L2 prefetch of the shared experts' W1 (_prefetch_beside): its ranges, a side stream, kernel loaded
-            from gcmoe_gemm_sm90.kernel_prefetch import MAX_RANGES
-            from gcmoe_gemm_sm90.ops import prefetch_l2
-
-            self.prefetch_ranges = plan.moe.shared_w1_ranges()[:MAX_RANGES]
-            self.prefetch = OwnedStream(dev) if self.prefetch_ranges else None
-            if self.prefetch is not None:
-                with torch.cuda.stream(self.prefetch.stream):
-                    prefetch_l2(self.prefetch_ranges)
-                self.prefetch.stream.synchronize()
-        if cfg.ep_size > 1:
-            # every bucket's GEMMs compiled and loaded and its graph captured before the first cross-rank wait too (a
-            # rank that compiles a new shape for seconds, or synchronises its device to capture a graph, while its
-            # peers already wait would look dead to them), then the rendezvous
-            for b in _buckets(cfg.max_tokens_per_rank):
-                self.graph(b)
-            torch.cuda.synchronize(dev)
-            if workspace is None:
-                import torch.distributed as dist
-
-                dist.barrier(plan.group)
+            self.loaded: set = set()  # (kernel configuration, comm SMs) whose W1 / W2 are loaded
+        sk = () if self.sk_scratch is None else (self.sk_scratch.partials, self.sk_scratch.counters)
+        self.nbytes = sum(b.numel() * b.element_size() for b in (self.ws.buf, self.hq, self.hsT, *sk))
 
     def __del__(self):
         """(see the module docstring: teardown)"""
@@ -322,8 +525,7 @@ class Lane:
         except Exception:  # (interpreter shutdown)
             pass
 
-    # -- kernels
-    def _ring_sync(self, ticket: int, base: int | None = None):
+    def ring_sync(self, ticket: int, base: int | None = None):
         """The GEMMs' RingSync on the signal words at `base` (default: this lane's workspace)."""
         from gcmoe_comm.workspace import SIG_CGEN, SIG_ERR, SIG_INUSE, SIG_L1_FULL, SIG_OFFS, sig_w1_done
         from gcmoe_gemm_sm90.ops import RingSync
@@ -342,228 +544,98 @@ class Lane:
             2 * self.comm.timeout_ns,
         )
 
-    def _gemms(self, kcfg, ticket: int, comm_sms: int = 0, signals: int | None = None, rows: int | None = None):
-        """W1 then W2 on this lane's ring (ring mode), on the current stream; stream_k W1 over one CTA per SM slot of
-        the compute partition (all SMs but comm_sms; the configuration's occupancy slots per SM). signals: their
-        signal words (default: the workspace's). rows: their grid rows (Sm90Plan.grid_rows; default: one per ring
-        expert)."""
-        from gcmoe_gemm_sm90.ops import launch_w1, launch_w2
-
-        x, sxT, rw, offs, cnt, dst, src = self.ring
-        sync = self._ring_sync(ticket, signals)
-        moe = self.plan.moe
-        sk_ctas = kcfg.occupancy * (self.plan.sm_count - comm_sms)
-        b13, b2 = moe.w13_bias, moe.w2_bias  # (gpt-oss) W2 adds the ring rows' route_w times b2
-        rw2 = rw if b2 is not None else None
-        grid = dict(grid_rows=rows, first_expert=self.plan.first_row_expert())
-        launch_w1(moe.w13, x, sxT, rw, offs, cnt, self.hq, self.hsT, kcfg, sync, self.sk_scratch, sk_ctas, b13, **grid)
-        launch_w2(moe.w2, self.hq, self.hsT, offs, cnt, dst, src, self.comb, kcfg, sync, rw2, b2, **grid)
-
-    def _load_gemms(self, kcfg, comm_sms: int = 0) -> None:
-        """Compile + load one bucket's W1 / W2 (once per configuration and placement) by launching them on signal
-        words of their own, a scratch copy whose ERR says WARMUP: they return at once and touch nothing a call in
-        flight uses, so this is legal at any time, under a caller's capture too (where a first launch would load the
-        module inside the capture, and the load's synchronisation would invalidate it). Module loads are lazy per
-        CUDA context and a green context is a context of its own: with comm_sms, on the partition's compute stream
-        too (made here if new)."""
-        kcfg = ring_kernel_config(kcfg)
-        if (kcfg, comm_sms) in self._loaded:
-            return
-        warm = self._warm_signals.data_ptr()
-        with self.plan.outside_capture():
-            self._gemms(kcfg, 1, signals=warm)
-            if comm_sms:
-                compute = self._partition(comm_sms).compute_stream
-                if not capturing(compute):  # (a stream of this lane already forked into the caller's capture)
-                    with torch.cuda.stream(compute):
-                        self._gemms(kcfg, 1, comm_sms, signals=warm)
-                    compute.synchronize()  # nothing uncaptured left on a stream a capture may fork next
-        self._loaded.add((kcfg, comm_sms))
-
-    def _partition(self, comm_sms: int):
+    def partition(self, comm_sms: int, outside_capture):
         """This lane's split of comm_sms SMs (its own green contexts), made outside any capture, with every comm kernel
-        loaded into both partitions' contexts (see _load_gemms)."""
+        loaded into both partitions' contexts (see Sm90Plan._load_gemms)."""
         part = self.partitions.get(comm_sms)
         if part is None:
             from gcmoe_greenctx import split_device
 
-            with self.plan.outside_capture():
-                part = split_device(comm_sms, self.plan.device.index, mode="auto")
+            with outside_capture():
+                part = split_device(comm_sms, self.device.index, mode="auto")
                 for s in (part.comm_stream, part.compute_stream):
                     with torch.cuda.stream(s):
-                        self.comm.load(self._warm_signals.data_ptr())
+                        self.comm.load(self.warm_signals.data_ptr())
                     s.synchronize()
                 self.partitions[comm_sms] = part
         return part
 
-    def _enqueue(self, bucket: int, ticket: int, publish, out: torch.Tensor | None):
-        """The kernels of one call as role nodes (gcmoe_greenctx.enqueue_roles): publish + dispatch on this lane's
-        comm stream (one kernel at world size 1: CommRank.publish_dispatch), W1, W2, finalize on its compute stream,
-        forked from and joined back to the current stream; comm_sms = 0 for the bucket: all in order on the current
-        stream. publish(dispatch_ctas) enqueues publish + dispatch (arguments by value or from the argument block)."""
-        from gcmoe_greenctx import RoleNodes, enqueue_roles
-
-        plan = self.plan
-        kcfg = ring_kernel_config(plan.kernel_config(bucket))
-        status = 0 if out is not None else self.status.data_ptr()
-        comm_sms = plan.policy.mode_for(bucket)
-        # grids for the bucket: dispatch a CTA per ring block it can fill (on a partition: 2 per comm SM at most),
-        # finalize a thread per 16 output bytes
-        dispatch_ctas = self.comm.dispatch_grid(bucket, 2 * comm_sms or None)
-        finalize_ctas = self.comm.finalize_grid(bucket)
-
-        rows = plan.grid_rows(bucket, kcfg, comm_sms)
-        roles = RoleNodes(
-            lambda: publish(dispatch_ctas),
-            lambda: self._gemms(kcfg, ticket, comm_sms, rows=rows),
-            lambda: self.comm.finalize(out, status=status, ctas=finalize_ctas),
-        )
-        with self._prefetch_beside(bucket):
-            if comm_sms == 0:
-                for role in (roles.dispatch, roles.compute, roles.finalize):
-                    role()
-                return
-            enqueue_roles(self._partition(comm_sms), roles, overlap=True)
-
-    @contextlib.contextmanager
-    def _prefetch_beside(self, bucket: int):
-        """At bucket <= L2_PREFETCH_MAX_BUCKET: the shared experts' W1 weights prefetched into L2 on this lane's side
-        stream, forked from the current stream before the call's kernels and joined back after them (a graph branch
-        under a capture). The prefetch only reads the weights, which no call writes: it changes when bytes reach L2,
-        never a value."""
-        if self.prefetch is None or bucket > L2_PREFETCH_MAX_BUCKET:
-            yield
-            return
-        from gcmoe_gemm_sm90.ops import prefetch_l2
-
-        here, side = torch.cuda.current_stream(self.plan.device), self.prefetch.stream
-        side.wait_stream(here)
-        with torch.cuda.stream(side):
-            prefetch_l2(self.prefetch_ranges)
-        try:
-            yield
-        finally:
-            here.wait_stream(side)
-
-    # -- the captured path (inside a caller's capture): by-value arguments
-    def enqueue_captured(self, x, topk_ids, topk_weights) -> torch.Tensor:
-        from gcmoe_comm.comm import new_ticket
-
-        t = x.shape[0]
-        bucket = token_bucket(t)
-        self._load_gemms(self.plan.kernel_config(bucket), self.plan.policy.mode_for(bucket))  # (outside the capture)
-        out = torch.empty(t, self.plan.cfg.hidden_size, dtype=torch.bfloat16, device=x.device)
-        ticket = new_ticket()
-        publish = lambda ctas: self.comm.publish_dispatch(x, topk_ids, topk_weights, ticket, ctas, bucket)
-        self._enqueue(bucket, ticket, publish, out)
-        return out
-
-    # -- the eager path: the bucket's graph, arguments through the host slots
-    def graph(self, bucket: int) -> torch.cuda.CUDAGraph:
-        """The bucket's captured role graph (the slot path), captured on first use."""
-        g = self.graphs.get(bucket)
-        if g is None:
-            from gcmoe_comm.comm import new_ticket
-
-            ticket = new_ticket()
-            ctas = self.comm.publish_ctas(bucket)
-            publish = lambda dispatch_ctas: self.comm.publish_dispatch_slots(
-                self.args.data_ptr(), self.status.data_ptr(), ticket, ctas, dispatch_ctas, bucket
-            )
-            torch.cuda.synchronize(self.plan.device)  # (never under a capture) no call of this lane in flight anywhere
-            comm_sms = self.plan.policy.mode_for(bucket)
-            self._load_gemms(self.plan.kernel_config(bucket), comm_sms)  # compile + load outside the capture
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=self.capture_stream.stream):
-                self._enqueue(bucket, ticket, publish, None)
-            self.graphs[bucket] = g
-        return g
-
-    def call(self, x, topk_ids, topk_weights, check_values: bool, stream: torch.cuda.Stream) -> torch.Tensor:
-        """The eager path on `stream` (the current one): a few Python steps, one async copy, one graph launch."""
-        t = x.shape[0]
-        n = self.seq
-        st = self._status_np
-        self._raise_comm_error()
-        if check_values and n > 0:
-            if st[0] < n:
-                self._wait_done(n)  # the previous call's publish ran: its BAD words are in the status
-            if st[1]:
-                self._raise_bad()
-        if n >= self.nslots and st[0] < n - self.nslots + 1:
-            self._wait_done(n - self.nslots + 1)  # staging slot n mod NSLOTS: its copy has run
-        out = torch.empty(t, self._hidden, dtype=torch.bfloat16, device=x.device)
-        graph = self.graph(token_bucket(t))
-        k = n % self.nslots
-        row = self._slots_np[k]
-        row[0], row[1], row[2], row[3] = x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr()
-        row[4], row[5] = t, topk_ids.dtype == torch.int64
-        err = _driver.cuMemcpyHtoDAsync(
-            self._args_ptr,
-            self._slot0 + k * self._slot_bytes,
-            self._slot_bytes,
-            _driver.CUstream(stream.cuda_stream),
-        )[0]
-        if err != _driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"gcmoe: copying the call's arguments to the device failed: {err}")
-        graph.replay()
-        self.seq = n + 1
-        return out
-
-    def _wait_done(self, n: int) -> None:
+    # -- errors
+    def wait_done(self, n: int) -> None:
         """Spin (sleeping) until the device's publish has consumed n slot calls."""
-        st = self._status_np
+        st = self.status_np
         if int(st[0]) >= n:
             return
         start = time.monotonic()
         while int(st[0]) < n:  # spin first (the wait is usually µs; a sleep costs ~60 µs or more), then sleep
             waited = time.monotonic() - start
             if waited > 1e-3:
-                self._raise_comm_error()
+                self.raise_comm_error()
                 if waited > HOST_WAIT_S:
                     raise RuntimeError(
                         f"gcmoe: the device consumed {int(st[0])} of {n} calls within {HOST_WAIT_S:.0f} s; is it hung?"
                     )
                 time.sleep(1e-4)
 
-    def _raise_bad(self) -> None:
-        st = self._status_np
-        msg = bad_input_message([int(v) for v in st[1:5]], self.plan.spec.num_experts)
-        if msg is not None:
-            st[1:5] = 0
-            raise ValueError(msg)
+    def raise_bad(self, words=None) -> None:
+        """The BAD entry in the status words (the slot path's, or `words`) as ValueError naming the layer; cleared."""
+        from gcmoe_comm.kernels import STATUS_BAD_TICKET
 
-    def _raise_comm_error(self) -> None:
-        st = self._status_np
+        st = self.status_np if words is None else words
+        msg = bad_input_message([int(v) for v in st[1:5]], self.spec.num_experts)
+        if msg is not None:
+            layer = self.pool.layer_of(int(st[STATUS_BAD_TICKET]))
+            st[1 : STATUS_BAD_TICKET + 1] = 0
+            raise ValueError(f"{msg} [{layer}]")
+
+    def raise_comm_error(self, words=None) -> None:
+        from gcmoe_comm.kernels import STATUS_ERR_TICKET
+
+        st = self.status_np if words is None else words
         if st[8] != 0:
-            raise CommError(error_message([int(v) for v in st[8:13]], self.ws.rank, self.plan.spec.ranks))
+            msg = error_message([int(v) for v in st[8:13]], self.ws.rank, self.spec.ranks)
+            raise CommError(f"{msg} [first seen by {self.pool.layer_of(int(st[STATUS_ERR_TICKET]))}]")
+
+    def check_step(self) -> None:
+        """The captured calls' and the slot path's words (pinned; no sync): a failed wait, then a bad entry."""
+        for words in (self.step_np, self.status_np):
+            self.raise_comm_error(words)
+        self.raise_bad(self.step_np)
 
     def check(self) -> None:
-        torch.cuda.synchronize(self.plan.device)
+        torch.cuda.synchronize(self.device)
+        self.check_step()
         self.ws.check()
         msg = self.ws.bad_input()
-        if msg is None:
-            self._raise_bad()
-        else:
+        if msg is not None:
             raise ValueError(msg)
+        self.raise_bad()
 
     def recover(self) -> None:
         self.ws.recover()
         self.seq = 0
         self.status.zero_()
+        self.step_status.zero_()
 
 
-def virtual_ranks(cfg: MoEConfig, weights: MoEWeights, device: torch.device, options: LayerOptions) -> list[Sm90Plan]:
+class _Workspaces(list):
+    """A set of virtual ranks' workspaces (a list a pool can hold weakly)."""
+
+
+def virtual_ranks(
+    cfg: MoEConfig, weights: MoEWeights, device: torch.device, options: LayerOptions, pool=None
+) -> list[Sm90Plan]:
     """cfg.ep_size = P ranks in this process on one GPU (tests, benchmarks): rank q's plan holds its experts of
-    `weights` (every expert: MoEWeights.rank_slice, prepacked) and its buffer of one Workspace.virtual set, so
-    dispatch pulls and the W2 scatter cross rank boundaries through the peer table exactly as across GPUs. Call each
-    rank on its own stream (the ranks' kernels wait for each other)."""
-    from gcmoe_comm.workspace import Workspace
-
+    `weights` (every expert: MoEWeights.rank_slice, prepacked) and its lanes' workspaces of one Workspace.virtual set
+    per lane, so dispatch pulls and the W2 scatter cross rank boundaries through the peer table exactly as across
+    GPUs. Call each rank on its own stream (the ranks' kernels wait for each other); its micro-batch lanes as at
+    P > 1 across processes (gcmoe.micro_batch). pool: the ranks' pool (default: the device's)."""
     p = cfg.ep_size
     tensors = [Sm90Backend().prepack(cfg, weights.rank_slice(q, p).to(device), device) for q in range(p)]
-    wss = Workspace.virtual(ring_spec(cfg), device)
-    return [Sm90Plan(cfg, t, device, options, workspace=ws) for t, ws in zip(tensors, wss)]
+    return [
+        Sm90Plan(cfg, t, device, options, rank=q, pool=pool or options.pool, name=options.name)
+        for q, t in enumerate(tensors)
+    ]
 
 
 def ring_kernel_config(kcfg):
