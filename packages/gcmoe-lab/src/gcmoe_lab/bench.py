@@ -905,6 +905,25 @@ def parser(prog: str = "gcmoe-lab bench"):
         default="validated",
         help="the peers' forms: those validated on a GPU (default) or every form (gcmoe_lab.peers)",
     )
+    p.add_argument(
+        "--model-step",
+        action="store_true",
+        help="a model's whole decode step instead of one layer: N layers behind attention / router stand-ins, "
+        "captured as one graph per T, one and two micro-batches (gcmoe_lab.model_step)",
+    )
+    p.add_argument("--layers", type=int, default=None, help="--model-step: MoE layers (default: the model's)")
+    p.add_argument(
+        "--two-batch-layers",
+        type=int,
+        default=None,
+        help="--model-step: layers of the partitioned / unpartitioned two-batch pair (default: --layers; 0: none)",
+    )
+    p.add_argument(
+        "--peer-layers",
+        type=int,
+        default=None,
+        help="--model-step: layers of the triton_kernels step (default: --layers; 0: none)",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the records as JSON to PATH")
     p.add_argument("--markdown", metavar="PATH", default=None, help="also write a markdown table to PATH")
     p.add_argument("--plot", metavar="PATH", default=None, help="also write a PNG plot (time / floor vs T)")
@@ -915,6 +934,10 @@ def main(argv: list[str] | None = None, prog: str = "gcmoe-lab bench") -> int:
     """`gcmoe-lab bench ARGS` (argv: ARGS). Bad arguments: exit code 2 before anything is measured."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser(prog).parse_args(argv)
+    if args.model_step:
+        from . import model_step
+
+        return model_step.main(args, ["bench", *argv])
     try:
         validate(args.models, args.tokens, args.variants, args.ep)
     except ValueError as e:

@@ -14,6 +14,7 @@ PROBES: dict[str, tuple[str, str]] = {
     "bench_comm": ("gcmoe_lab.bench_comm", "dispatch bandwidth on a green-context comm partition (GPU)"),
     "bench_greenctx": ("gcmoe_lab.bench_greenctx", "green-context partitions: isolation, disjointness, graphs (GPU)"),
     "layer_probe": ("gcmoe_lab.probes.layer_probe", "kernel timelines and host time of the layer's calls (GPU)"),
+    "host_time": ("gcmoe_lab.probes.host_time", "where an eager layer call's host time goes, step by step (GPU)"),
     "layer_smoke": ("gcmoe_lab.probes.layer_smoke", "first look at the sm90 layer, step by step, hang-guarded (GPU)"),
     "layer_ab": ("gcmoe_lab.probes.layer_ab", "one process of a code A/B of the layer (tools/gpu/ab_commits.sh) (GPU)"),
     "soak": ("gcmoe_lab.probes.soak", "100,000 checked graph replays of the layer (GPU)"),
