@@ -66,22 +66,17 @@ class LayerPool:
 
     def lane(self, key, make):
         """The lane under `key` (made by make() if none is alive)."""
-        lane = self._lanes.get(key)
-        if lane is None:
-            with self._lock:
-                lane = self._lanes.get(key)
-                if lane is None:
-                    lane = make()
-                    self._lanes[key] = lane
-        return lane
+        return self._lanes.get(key) or self._made(self._lanes, key, make)
 
     def shared(self, key, make):
         """Any other object layers of a shape class share (e.g. a set of virtual ranks' workspaces), held weakly."""
+        return self._made(self._shared, key, make)
+
+    def _made(self, table, key, make):
         with self._lock:
-            obj = self._shared.get(key)
+            obj = table.get(key)
             if obj is None:
-                obj = make()
-                self._shared[key] = obj
+                obj = table[key] = make()
             return obj
 
     def lanes(self) -> list:

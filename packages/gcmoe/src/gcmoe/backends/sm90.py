@@ -75,6 +75,16 @@ L2_PREFETCH_MAX_BUCKET = 1  # the shared experts' W1 prefetched into L2 at these
 HOST_WAIT_S = 60.0  # the host never waits longer than this for the device to consume an argument slot
 
 
+def _release(obj) -> None:
+    """A plan's or lane's resources (graphs, streams, partitions, buffers) dropped in relaxed capture mode: the GC may
+    run inside a caller's capture (the module docstring: teardown)."""
+    try:
+        with relaxed_capture():
+            obj.__dict__.clear()
+    except Exception:  # (interpreter shutdown)
+        pass
+
+
 def token_bucket(tokens: int) -> int:
     """The power of two >= tokens: calls of 5..8 tokens replay the graph captured for 8."""
     return 1 << (max(1, tokens) - 1).bit_length()
@@ -185,13 +195,7 @@ class Sm90Plan:
         else:
             self.lane(torch.cuda.current_stream(device))  # the load stream's lane: its kernels loaded
 
-    def __del__(self):
-        """Graphs destroyed in relaxed capture mode (the GC may drop a plan inside a caller's capture)."""
-        try:
-            with relaxed_capture():
-                self.__dict__.clear()
-        except Exception:  # (interpreter shutdown)
-            pass
+    __del__ = _release
 
     @contextlib.contextmanager
     def outside_capture(self):
@@ -517,13 +521,7 @@ class Lane:
         sk = () if self.sk_scratch is None else (self.sk_scratch.partials, self.sk_scratch.counters)
         self.nbytes = sum(b.numel() * b.element_size() for b in (self.ws.buf, self.hq, self.hsT, *sk))
 
-    def __del__(self):
-        """(see the module docstring: teardown)"""
-        try:
-            with relaxed_capture():
-                self.__dict__.clear()
-        except Exception:  # (interpreter shutdown)
-            pass
+    __del__ = _release
 
     def ring_sync(self, ticket: int, base: int | None = None):
         """The GEMMs' RingSync on the signal words at `base` (default: this lane's workspace)."""
