@@ -5,39 +5,49 @@ import gcmoe
 layer = gcmoe.MoELayer(gcmoe.MoEConfig.from_model("deepseek-v4-flash"), device="cuda")
 layer.load_weights(w13, w2, shared_w13, shared_w2)
 y = layer(x, topk_ids, topk_weights)
+
+Names load on first use (PEP 562), so `import gcmoe` and `gcmoe --help` do not import torch.
 """
 
-from gcmoe_comm.workspace import CommError
-from gcmoe_core.config import MODEL_SHAPES, MoEConfig
-from gcmoe_core.formats import MXFP4Tensor, quantize_mxfp4
-from gcmoe_core.reference import MoEWeights
-
-from .backends import BackendUnavailable, choose
-from .checkpoints import MoECheckpointInfo, load_moe_layer, load_moe_layer_weights
-from .engine import fused_experts
-from .layer import MoELayer, PackedMoE, moe, prepack
-from .pool import LayerPool, default_pool, micro_batch
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "MODEL_SHAPES",
-    "BackendUnavailable",
-    "CommError",
-    "LayerPool",
-    "MXFP4Tensor",
-    "MoECheckpointInfo",
-    "MoEConfig",
-    "MoELayer",
-    "MoEWeights",
-    "PackedMoE",
-    "choose",
-    "default_pool",
-    "fused_experts",
-    "load_moe_layer",
-    "load_moe_layer_weights",
-    "micro_batch",
-    "moe",
-    "prepack",
-    "quantize_mxfp4",
-]
+_HOMES = {
+    "CommError": "gcmoe_comm.workspace",
+    "MODEL_SHAPES": "gcmoe_core.config",
+    "MoEConfig": "gcmoe_core.config",
+    "MXFP4Tensor": "gcmoe_core.formats",
+    "quantize_mxfp4": "gcmoe_core.formats",
+    "MoEWeights": "gcmoe_core.reference",
+    "BackendUnavailable": "gcmoe.backends",
+    "choose": "gcmoe.backends",
+    "MoECheckpointInfo": "gcmoe.checkpoints",
+    "load_moe_layer": "gcmoe.checkpoints",
+    "load_moe_layer_weights": "gcmoe.checkpoints",
+    "fused_experts": "gcmoe.engine",
+    "fused_experts_masked": "gcmoe.engine",
+    "MoELayer": "gcmoe.layer",
+    "PackedMoE": "gcmoe.layer",
+    "moe": "gcmoe.layer",
+    "prepack": "gcmoe.layer",
+    "LayerPool": "gcmoe.pool",
+    "default_pool": "gcmoe.pool",
+    "micro_batch": "gcmoe.pool",
+}
+__all__ = sorted(_HOMES)
+_SUBMODULES = ("backends", "checkpoints", "cli", "engine", "integrations", "layer", "ops", "policy", "pool")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"gcmoe.{name}")
+    if name not in _HOMES:
+        raise AttributeError(f"module 'gcmoe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_HOMES))

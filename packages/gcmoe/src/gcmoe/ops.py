@@ -5,6 +5,10 @@ The op names the layer's plan by a handle (an int the plan registers under while
 layer's workspaces, partition and graphs, which are not tensors the compiler should see. The prepacked weights ride
 along as arguments so the compiler orders the call after whatever produced them. Eager calls from MoELayer skip the
 op's dispatch and call the plan directly (same code below it).
+
+The operator has no backward. A call autograd would differentiate (a trainable router outside torch.no_grad()) is
+refused with one ValueError (refuse_grad): by gcmoe.fused_experts before anything runs, eager or traced, and by the
+op's autograd registration for a layer's call traced by torch.compile (where the op has no formula to trace).
 """
 
 from __future__ import annotations
@@ -33,6 +37,19 @@ def plan_of(handle: int):
         raise RuntimeError(f"gcmoe: layer handle {handle} is not live (its layer was deleted)") from None
 
 
+def refuse_grad(grad_mode: bool | None = None, **tensors) -> None:
+    """Raise the ValueError for a call with grad mode on (grad_mode; None: torch.is_grad_enabled()) and an argument
+    that requires grad (named as given)."""
+    if not (torch.is_grad_enabled() if grad_mode is None else grad_mode):
+        return
+    for arg, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(
+                f"gcmoe: {arg}: requires grad, but the MoE operator has no backward (a trainable router outside "
+                f"torch.no_grad()?): call it under torch.no_grad() or torch.inference_mode(), or pass {arg}.detach()"
+            )
+
+
 @torch.library.custom_op("gcmoe::moe_forward", mutates_args=())
 def moe_forward(
     x: torch.Tensor,
@@ -49,3 +66,12 @@ def moe_forward(
 @moe_forward.register_fake
 def _moe_forward_fake(x, topk_ids, topk_weights, weights, layer, check_values):
     return torch.empty_like(x)
+
+
+def _refuse_backward(ctx, inputs, output) -> None:
+    """setup_context of the op's autograd: called (grad mode off) only for a call autograd would differentiate."""
+    x, _, topk_weights, weights, *_ = inputs
+    refuse_grad(True, x=x, topk_weights=topk_weights, **{f"weights[{i}]": w for i, w in enumerate(weights)})
+
+
+moe_forward.register_autograd(lambda ctx, grad: None, setup_context=_refuse_backward)  # (backward never reached)
