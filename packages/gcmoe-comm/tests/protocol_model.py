@@ -74,6 +74,23 @@ the calls after it.
 Dispatch acquires each peer's READY == g, then checks the peer's GEN == g (a READY = g beside another GEN is a
 forged or corrupted tag: ERR kind READY, value seen = the peer's GEN). Only a forger that writes GEN, READY and
 the payload exactly as a publish would is indistinguishable from one; any other value fails the equality waits.
+
+Two lanes per rank (`TwoLaneConfig`, `explore_two_lanes`, `random_walks_two_lanes`): at P > 1 each rank runs two
+micro-batches' calls in flight, each lane an independent instance of the one-lane protocol above (its own workspace:
+one sub-state per lane, the same steps), issued on two streams (a stream per lane) or on one stream in a per-rank
+order (`orders`). Resources: a rank has `slots` resident CTA slots (SMs x CTAs per SM, one unit per CTA of any
+kernel); each call's five kernels (publish, dispatch, W1, W2, finalize) have `grids` CTAs. A CTA becomes resident
+when its kernel is launchable and a slot is free (any pending kernel may win the slot); a kernel's step runs only
+with one of its CTAs resident, a last-CTA step (READY, OFFS, finalize's tail) once all its CTAs were placed; a CTA
+frees its slot once its kernel is past its waits (the last one once its steps are done), so a spinning CTA holds its
+slot. Launch order, as the code does it: the next call on a stream after every kernel of the last finished; dispatch
+once every publish CTA started (publish triggers launch_dependents first thing) and its steps after publish finished
+(griddepcontrol.wait: a dispatch CTA may be resident and spinning before); W1 once every dispatch CTA passed its
+READY waits (partitioned, `comm_slots`: with the call, on the compute pool); W2 once every W1 CTA passed INUSE / OFFS;
+finalize once every W2 CTA passed its W1_DONE wait, its steps after W2 finished. Not modelled: per-SM packing
+(registers, shared memory: a W1 / W2 CTA needs an SM that no small CTA occupies, so a unit slot is optimistic for
+them), the block scheduler's order, CTAs of one kernel waiting on different things (all wait at the kernel's step),
+faults. Retiring is immediate (it only frees slots); a PRIVATE step runs alone as in _expand.
 """
 
 from __future__ import annotations
@@ -158,6 +175,7 @@ class Config:
     lanes: int = 1
     variant: Variant = field(default_factory=Variant)
     fault: Fault | None = None
+    ticket: int = 1  # lane l's calls hold ticket `ticket + l` (the two-lane model gives each lane its own)
 
     def __post_init__(self):
         if self.lanes > 1 and self.ranks != 1:
@@ -450,7 +468,7 @@ def _moves(cfg: Config, pcs, shared):
     v = cfg.variant
     for i, rk in enumerate(pcs):
         r, lane = divmod(i, nl)
-        ticket = lane + 1
+        ticket = cfg.ticket + lane
         g, dpc, cpc, fpc = rk.g, rk.dpc, rk.cpc, rk.fpc
         who = f"r{r}g{g}" if nl == 1 else f"r{r}l{lane}c{rk.gen}g{g}"
         local = i if _at_experts(cfg, rk) else -1
@@ -728,6 +746,313 @@ def random_walks(cfg: Config, walks: int, seed: int = 0) -> Report:
             if not moves:
                 break
             desc, pcs, shared = rng.choice(moves)
+            trace.append(desc)
+            steps += 1
+    return Report(steps, deadlocks[:5], violations[:5], errors)
+
+
+# ---------------------------------------------------------------------------------------------- two lanes per rank
+KERNELS = ("publish", "dispatch", "w1", "w2", "finalize")
+PUB, DSP, W1, W2, FIN = range(5)
+
+
+@dataclass(frozen=True)
+class Grids:
+    """CTAs of each kernel of a call (in slots: see TwoLaneConfig.slots)."""
+
+    publish: int = 1
+    dispatch: int = 1
+    w1: int = 1
+    w2: int = 1
+    finalize: int = 1
+
+    def of(self, k: int) -> int:
+        return (self.publish, self.dispatch, self.w1, self.w2, self.finalize)[k]
+
+
+@dataclass(frozen=True)
+class TwoLaneConfig:
+    """P ranks, two lanes (micro-batches) each with its own workspace, `calls` calls per lane; see _TWO_LANES_DOC."""
+
+    ranks: int = 2
+    blocks: int = 1
+    calls: int = 1  # calls per lane
+    experts: int = 1
+    m_tiles: int = 1
+    slots: int = 64  # resident CTA slots per rank (SMs x CTAs per SM, in the unit of the grids)
+    grids: Grids = field(default_factory=Grids)
+    # None: a stream per lane (two streams per rank). Else, per rank, its one stream's calls as the lane of each
+    # call in order (each lane's calls in its own order), e.g. ((0, 1, 0, 1), (1, 0, 1, 0)).
+    orders: tuple | None = None
+    # > 0: green-context partition: publish and dispatch of both lanes on comm_slots slots, W1, W2 and finalize on the
+    # other slots - comm_slots (the lanes' partitions cover the same SMs); W1 launches with the call, beside publish
+    comm_slots: int = 0
+    variant: Variant = field(default_factory=Variant)
+    # Seeded bugs: both lanes on one workspace (every word shared, tickets 1 and 2); lane 1's READY and L1_FULL
+    # words are lane 0's (a call waiting on, and releasing, the other lane's generation tags)
+    shared_workspace: bool = False
+    cross_tags: bool = False
+
+    def __post_init__(self):
+        if self.orders is not None and (
+            len(self.orders) != self.ranks or any(sorted(o) != [0] * self.calls + [1] * self.calls for o in self.orders)
+        ):
+            raise ValueError(f"TwoLaneConfig: orders {self.orders} must list each lane {self.calls} times per rank")
+        if not 0 <= self.comm_slots < self.slots:
+            raise ValueError("TwoLaneConfig: comm_slots must be in [0, slots)")
+
+    def lane(self, lane: int) -> Config:
+        return Config(
+            self.ranks, self.blocks, self.calls, self.experts, self.m_tiles, variant=self.variant, ticket=1 + lane
+        )
+
+    def aliased(self) -> tuple:
+        if self.shared_workspace:
+            return tuple(k for k in dict(_initial(self.lane(0))[1]) if k not in ("signals", "seen"))
+        return ("ready", "full") if self.cross_tags else ()
+
+    def streams(self, r: int) -> tuple:
+        """Rank r's streams, each its (lane, call) items in order."""
+        if self.orders is None:
+            return tuple(tuple((lane, c) for c in range(1, self.calls + 1)) for lane in (0, 1))
+        seen = [0, 0]
+        items = []
+        for lane in self.orders[r]:
+            seen[lane] += 1
+            items.append((lane, seen[lane]))
+        return (tuple(items),)
+
+    def pool(self, k: int) -> int:
+        """The slot pool of kernel k: 0 (the whole device, or the compute partition), 1 (the comm partition)."""
+        return int(self.comm_slots > 0 and k in (PUB, DSP))
+
+    def capacity(self, pool: int) -> int:
+        return self.comm_slots if pool else self.slots - self.comm_slots
+
+
+def _kernel_of(cfg: Config, old: _Rank, new: _Rank) -> tuple[int, bool]:
+    """The kernel a sub-model step of one rank belongs to, and whether its last CTA runs it (every CTA placed)."""
+    p = cfg.ranks
+    if new.gen != old.gen:  # refused (BUSY): the publish's INUSE CAS; or finalize's last step (INUSE = 0)
+        return (PUB, True) if old.dpc == 0 else (FIN, True)
+    if new.dpc != old.dpc:
+        if old.dpc == 0:
+            return PUB, True  # READY: the last CTA
+        return DSP, old.dpc in (p + 1, p + 2)  # the ring offsets and OFFS: the last CTA past the ranking
+    if new.cpc != old.cpc or new.w1 != old.w1 or new.w2 != old.w2:
+        kind = _plans(cfg)[0][old.cpc][0]
+        if kind in ("acquire", "offsets", "block") or (new.cpc == old.cpc and new.w1 != old.w1):
+            return W1, False
+        return W2, False
+    kind = _plans(cfg)[1][old.fpc][0]
+    return FIN, kind in ("reset", "cgen", "free") or new.gen != old.gen
+
+
+def _progress(cfg: Config, rk: _Rank, call: int, stopped: bool) -> tuple[tuple, tuple, bool]:
+    """Per kernel of lane call `call` on a rank whose pcs are rk: (past its waits, its steps all done), and whether
+    W1 lets its dependents launch (every CTA read its row layout: past INUSE and OFFS). A stopped rank (ERR): every
+    wait ended."""
+    p, nb = cfg.ranks, cfg.blocks
+    if stopped or rk.gen > call:
+        return (True,) * 5, (True,) * 5, True
+    x = 2 + nb  # the experts step of compute's plan
+    tiles = all(t == () for row in rk.w1 for t in row)
+    w1_done = rk.cpc > x or (rk.cpc == x and tiles)
+    w2_waited = rk.cpc > x or (rk.cpc == x and all(rk.w2))
+    waits = (True, rk.dpc > p, rk.cpc >= x, w2_waited, rk.fpc > cfg.ranks)
+    done = (rk.dpc >= 1, rk.dpc == _dispatch_steps(cfg), w1_done, rk.cpc == len(_plans(cfg)[0]), False)
+    return waits, done, rk.cpc >= 2
+
+
+class _Call(NamedTuple):
+    """The call in flight on one stream of a rank and its kernels' CTAs: placed and retired per kernel."""
+
+    lane: int
+    call: int
+    placed: tuple
+    retired: tuple
+
+
+def _two_initial(cfg: TwoLaneConfig):
+    lanes = tuple(_initial(cfg.lane(lane)) for lane in (0, 1))
+    pos = tuple((0,) * len(cfg.streams(r)) for r in range(cfg.ranks))
+    return lanes, pos, tuple(tuple(() for _ in cfg.streams(r)) for r in range(cfg.ranks))
+
+
+def _in_flight(cfg: TwoLaneConfig, r: int, k: int, pos: int, ctas: tuple) -> _Call | None:
+    items = cfg.streams(r)[k]
+    if pos >= len(items):
+        return None
+    lane, call = items[pos]
+    return _Call(lane, call, *(ctas or ((0,) * 5, (0,) * 5)))
+
+
+def _launchable(cfg: TwoLaneConfig, c: _Call, waits: tuple, w1_launched: bool) -> tuple:
+    """Per kernel: may its CTAs become resident? Stream order with programmatic dependent launches: dispatch once
+    every publish CTA started (publish triggers at its start), W1 once every dispatch CTA ranked the routing (past
+    its READY waits; partitioned: W1 is on the compute stream, launched with the call), W2 once every W1 CTA read its
+    row layout, finalize once every W2 CTA passed its W1_DONE wait."""
+    g, pl = cfg.grids, c.placed
+    full = [pl[k] == g.of(k) for k in range(5)]
+    w1 = cfg.comm_slots > 0 or (full[DSP] and waits[DSP])
+    return (True, full[PUB], w1, full[W1] and w1_launched, full[W2] and waits[W2])
+
+
+def _two_moves(cfg: TwoLaneConfig, state):
+    """(description, state, private) of every enabled step: sub-model steps of an in-flight call whose kernel has a
+    resident CTA (and its own rules), and CTA placements; raises Violation."""
+    lanes, pos, ctas = state
+    alias = cfg.aliased()
+    used = [[0, 0] for _ in range(cfg.ranks)]  # resident CTAs per rank and pool
+    flights = []  # (r, k, call, stopped, waits, done, w1_launched)
+    for r in range(cfg.ranks):
+        for k in range(len(pos[r])):
+            c = _in_flight(cfg, r, k, pos[r][k], ctas[r][k])
+            if c is None:
+                continue
+            sub = cfg.lane(c.lane)
+            pcs, shared = lanes[c.lane]
+            stopped = bool(dict(shared)["err"][r])
+            flights.append((r, k, c, stopped, *_progress(sub, pcs[r], c.call, stopped)))
+            for kern in range(5):
+                used[r][cfg.pool(kern)] += c.placed[kern] - c.retired[kern]
+    for r, k, c, _stopped, waits, _done, w1_launched in flights:
+        for kern, ok in enumerate(_launchable(cfg, c, waits, w1_launched)):
+            if ok and c.placed[kern] < cfg.grids.of(kern) and used[r][cfg.pool(kern)] < cfg.capacity(cfg.pool(kern)):
+                nc = c._replace(placed=_set(c.placed, kern, c.placed[kern] + 1))
+                yield f"r{r}l{c.lane}c{c.call}:{KERNELS[kern]}+cta", _with_call(cfg, state, r, k, nc), False
+    for lane in (0, 1):
+        sub = cfg.lane(lane)
+        pcs, shared = lanes[lane]
+        for desc, npcs, nshared, mark in _moves(sub, pcs, shared):
+            r = next(i for i in range(cfg.ranks) if npcs[i] != pcs[i])
+            f = next((f for f in flights if f[0] == r and f[2].lane == lane and f[2].call == pcs[r].gen), None)
+            if f is None:
+                continue  # the call is not issued yet (its stream's earlier call still runs)
+            kern, last = _kernel_of(sub, pcs[r], npcs[r])
+            c = f[2]
+            resident = c.placed[kern] - c.retired[kern]
+            before = {DSP: PUB, FIN: W2}.get(kern)  # griddepcontrol.wait: that kernel finished first
+            if resident < 1 or (last and c.placed[kern] < cfg.grids.of(kern)):
+                continue
+            if before is not None and c.retired[before] < cfg.grids.of(before):
+                continue
+            nlanes = _set(lanes, lane, (npcs, nshared))
+            if alias:
+                nd = dict(nshared)
+                other = dict(lanes[1 - lane][1])
+                other.update((key, nd[key]) for key in alias)
+                nlanes = _set(nlanes, 1 - lane, (lanes[1 - lane][0], tuple(sorted(other.items()))))
+            nstate = _settle(cfg, (nlanes, pos, ctas))
+            yield f"l{lane}:{desc}", nstate, mark == PRIVATE
+
+
+def _with_call(cfg: TwoLaneConfig, state, r: int, k: int, c: _Call):
+    lanes, pos, ctas = state
+    return _settle(cfg, (lanes, pos, _set2(ctas, r, k, (c.placed, c.retired))))
+
+
+def _settle(cfg: TwoLaneConfig, state):
+    """Retire every CTA that may retire (past its kernel's waits; a kernel's last CTA once its steps are done), and
+    move each stream whose call's kernels all retired (or whose rank stopped on ERR) to its next call. Retiring only
+    frees slots and nothing waits for it, so doing it at once loses no interleaving."""
+    lanes, pos, ctas = state
+    g = cfg.grids
+    for r in range(cfg.ranks):
+        for k in range(len(pos[r])):
+            while (c := _in_flight(cfg, r, k, pos[r][k], ctas[r][k])) is not None:
+                pcs, shared = lanes[c.lane]
+                stopped = bool(dict(shared)["err"][r])
+                waits, done, _ = _progress(cfg.lane(c.lane), pcs[r], c.call, stopped)
+                retired = list(c.retired)
+                for kern in range(5):
+                    resident = c.placed[kern] - retired[kern]
+                    if waits[kern] and resident:
+                        keep = 0 if done[kern] or c.placed[kern] < g.of(kern) else 1
+                        retired[kern] += max(0, resident - keep)
+                if stopped or all(retired[kern] == g.of(kern) for kern in range(5)):
+                    pos = _set(pos, r, _set(pos[r], k, pos[r][k] + 1))
+                    ctas = _set2(ctas, r, k, ())
+                    continue
+                ctas = _set2(ctas, r, k, (c.placed, tuple(retired)))
+                break
+    return lanes, pos, ctas
+
+
+def _two_done(cfg: TwoLaneConfig, state) -> bool:
+    _, pos, _ = state
+    return all(p == len(items) for r in range(cfg.ranks) for p, items in zip(pos[r], cfg.streams(r), strict=True))
+
+
+def explore_two_lanes(cfg: TwoLaneConfig, max_states: int = 5_000_000, reduce: bool = True) -> Report:
+    """Every interleaving of both lanes' calls on every rank, CTA placements included (memoised DFS). reduce: a PRIVATE
+    step (see _expand) of an in-flight call runs alone (its kernel's CTAs stay resident while it is enabled)."""
+    start = _two_initial(cfg)
+    seen = {start}
+    stack = [(start, ())]
+    deadlocks: list[str] = []
+    violations: list[str] = []
+    errors: set = set()
+    while stack and len(seen) <= max_states:
+        state, trace = stack.pop()
+        for desc, nstate in _two_expand(cfg, state, trace, deadlocks, violations, errors, reduce):
+            if nstate not in seen:
+                seen.add(nstate)
+                stack.append((nstate, (*trace[-23:], desc)))
+    if stack:
+        raise RuntimeError(f"explore_two_lanes: state space exceeds {max_states} states; shrink the configuration")
+    return Report(len(seen), deadlocks[:5], violations[:5], errors)
+
+
+def _two_expand(cfg: TwoLaneConfig, state, trace, deadlocks, violations, errors, reduce: bool) -> list:
+    tail = " ".join(trace[-24:])
+    try:
+        moves = list(_two_moves(cfg, state))
+    except Violation as e:
+        violations.append(f"{e} after {tail}")
+        return []
+    private = [m for m in moves if m[2]]
+    if reduce and private:
+        moves = private[:1]
+    if not moves:
+        for lane, (_, shared) in enumerate(state[0]):
+            errors.update((r, lane, *e) for r, e in enumerate(dict(shared)["err"]) if e)
+        if not _two_done(cfg, state):
+            deadlocks.append(f"stuck at {_two_summary(cfg, state)} after {tail}")
+        else:
+            for lane in (0, 1):
+                try:
+                    _check_final(cfg.lane(lane), state[0][lane][1])
+                except Violation as e:
+                    violations.append(f"lane {lane}: {e}")
+    return [m[:2] for m in moves]
+
+
+def _two_summary(cfg: TwoLaneConfig, state) -> str:
+    """Each rank's calls in flight: lane, call, and the kernels' resident CTAs."""
+    _, pos, ctas = state
+    out = []
+    for r in range(cfg.ranks):
+        for k in range(len(pos[r])):
+            c = _in_flight(cfg, r, k, pos[r][k], ctas[r][k])
+            if c is not None:
+                res = {KERNELS[i]: c.placed[i] - c.retired[i] for i in range(5) if c.placed[i] - c.retired[i]}
+                out.append(f"r{r} lane {c.lane} call {c.call} resident {res}")
+    return "; ".join(out)
+
+
+def random_walks_two_lanes(cfg: TwoLaneConfig, walks: int, seed: int = 0) -> Report:
+    """Random interleavings of configurations too large to enumerate."""
+    rng = random.Random(seed)
+    deadlocks: list[str] = []
+    violations: list[str] = []
+    errors: set = set()
+    steps = 0
+    for _ in range(walks):
+        state = _two_initial(cfg)
+        trace: list[str] = []
+        while moves := _two_expand(cfg, state, trace, deadlocks, violations, errors, False):
+            desc, state = rng.choice(moves)
             trace.append(desc)
             steps += 1
     return Report(steps, deadlocks[:5], violations[:5], errors)

@@ -77,6 +77,20 @@ def test_torch_compile_fullgraph():
     assert torch.equal(compiled(x, ids, w), layer(x, ids, w) * 2)
 
 
+def test_a_call_autograd_would_differentiate_is_refused_eager_and_compiled_alike():
+    """No backward: a trainable router's weights (or x) requiring grad outside no_grad is one ValueError, eager and
+    under torch.compile; under no_grad the same call runs."""
+    x, ids, w, _, floats = make_problem(Case(CFG, 4, seed=16))
+    layer = gcmoe.MoELayer(CFG).load_weights(*floats)
+    compiled = torch.compile(lambda a, b, c: layer(a, b, c), fullgraph=True, backend="aot_eager")
+    for arg, args in (("topk_weights", (x, ids, w.requires_grad_())), ("x", (x.clone().requires_grad_(), ids, w))):
+        for fn in (layer, compiled):
+            with pytest.raises(Exception, match=f"gcmoe: {arg}: requires grad, but the MoE operator has no backward"):
+                fn(*args)
+        with torch.no_grad():
+            assert torch.equal(layer(*args), layer(x, ids, w.detach()))
+
+
 def test_bad_arguments_raise_before_any_launch(monkeypatch):
     x, ids, w, _, floats = make_problem(Case(CFG, 4, seed=16))
     layer = gcmoe.MoELayer(CFG).load_weights(*floats)

@@ -219,3 +219,31 @@ def test_two_micro_batches_at_p2_in_one_captured_step_and_a_dead_peer():
     for key in outs:  # (the static inputs hold the last replay's set)
         assert torch.equal(outs[key], wants[999 % len(sets)][key]), f"after recover: {key}"
     pool.check()
+
+
+def test_eager_calls_launch_through_ctypes_and_fall_back_exactly():
+    """The eager path's copy + graph launch (gcmoe_greenctx.launch, ctypes) against its slow path (cuda-python +
+    CUDAGraph.replay, taken when the handle is missing or another device is current): bit-identical outputs over
+    60+ calls that wrap the 64 staging slots, and from a fresh thread (its own current-context state)."""
+    import threading
+
+    pool = gcmoe.LayerPool()
+    layers = _layers(3, pool, 300)
+    x, _, _ = make_tokens(CFG, 5, "uniform", 3, device="cuda")
+    routes = _routes(3, 5, 30)
+    fast = [_chain(layers, routes, x) for _ in range(25)]
+    plans = [layer.packed.plan for layer in layers]
+    saved = [dict(p._execs) for p in plans]
+    for p in plans:
+        p._execs = dict.fromkeys(p._execs, 0)  # no handle: every call takes the slow path
+    slow = [_chain(layers, routes, x) for _ in range(25)]
+    for p, execs in zip(plans, saved):
+        p._execs = execs
+    box = {}
+    th = threading.Thread(target=lambda: box.update(y=_chain(layers, routes, x), s=torch.cuda.current_stream()))
+    th.start()
+    th.join()
+    box["s"].synchronize()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, fast[0]) for a in fast + slow + [box["y"]]), first_mismatch(slow[0], fast[0])
+    assert torch.isfinite(fast[0]).all()

@@ -231,7 +231,11 @@ def validate_call(
     check_values: bool = True,
 ) -> None:
     """Raise ValueError naming the argument and the limit for any bad call argument; nothing launches before."""
-    if not check_values and _plain_cuda_call(cfg, x, topk_ids, topk_weights, device):
+    if (
+        not check_values
+        and not torch.compiler.is_compiling()
+        and plain_cuda_call(cfg, x, topk_ids, topk_weights, device)
+    ):
         return
     _check_tensor("x", x, (torch.bfloat16,), (None, cfg.hidden_size))
     if not torch.compiler.is_compiling() and x.data_ptr() % 4:  # (the kernels load x two bf16 at a time)
@@ -250,11 +254,11 @@ def validate_call(
         check_call_values(cfg.num_experts, topk_ids, topk_weights, cfg.masked_ids)
 
 
-def _plain_cuda_call(cfg: MoEConfig, x, topk_ids, topk_weights, device: torch.device | None) -> bool:
-    """The common case of validate_call in a few attribute reads (an eager call costs host time per layer): plain
-    contiguous CUDA tensors of the right dtypes and shapes on the layer's device. True only where the full checks
-    pass; anything else (False) takes them, which name the problem."""
-    if device is None or device.type != "cuda" or torch.compiler.is_compiling():
+def plain_cuda_call(cfg: MoEConfig, x, topk_ids, topk_weights, device: torch.device | None) -> bool:
+    """The common case of validate_call's argument checks in a few attribute reads (an eager call costs host time per
+    layer): plain contiguous CUDA tensors of the right dtypes and shapes on the layer's device. True only where the
+    full checks pass; anything else (False) takes them, which name the problem. Not for traced calls (dynamo)."""
+    if device is None or device.type != "cuda":
         return False
     if not type(x) is type(topk_ids) is type(topk_weights) is torch.Tensor:
         return False

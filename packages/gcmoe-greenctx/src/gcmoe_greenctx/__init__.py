@@ -1,5 +1,6 @@
 """gcmoe-greenctx: SM partitions with CUDA Green Contexts and their streams, streams a component owns, set-up outside
-a caller's capture, and a layer's role nodes (fork / join) to enqueue or capture."""
+a caller's capture, a layer's role nodes (fork / join) to enqueue or capture, and the eager launch of a captured graph
+(gcmoe_greenctx.launch: its argument copy and launch, two ctypes driver calls)."""
 
 from .graph import RoleNodes, enqueue_roles
 from .partition import (

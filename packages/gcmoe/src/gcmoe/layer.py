@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from gcmoe_core import env
-from gcmoe_core.config import MoEConfig, validate_call, validate_weights
+from gcmoe_core.config import MoEConfig, plain_cuda_call, validate_call, validate_weights
 from gcmoe_core.formats import UE8M0_NAN, MXFP4Tensor
 from gcmoe_core.reference import MoEWeights
 
@@ -168,19 +168,24 @@ def moe(
     internally (cfg.padded()), y is the first H columns of the layer's [T, H_pad] output, copied (contiguous)."""
     if not isinstance(packed, PackedMoE):
         raise ValueError(f"gcmoe: packed: must be a PackedMoE (gcmoe.prepack), got {type(packed).__name__}")
-    validate_call(packed.cfg, x, topk_ids, topk_weights, device=packed.device, check_values=False)
+    cfg = packed.cfg
+    compiling = torch.compiler.is_compiling()
+    if compiling or not plain_cuda_call(cfg, x, topk_ids, topk_weights, packed.device):  # (the common case first)
+        validate_call(cfg, x, topk_ids, topk_weights, device=packed.device, check_values=False)
+    if (x.requires_grad or topk_weights.requires_grad) and torch.is_grad_enabled():
+        ops.refuse_grad(x=x, topk_weights=topk_weights)  # no backward: refused, never a silently missing gradient
     if check_values is None:
         check_values = env.get_bool("GCMOE_CHECK_VALUES")
-    if x.shape[0] == 0 and packed.cfg.ep_size == 1:
-        return x.new_empty(0, packed.cfg.hidden_size)  # nothing to do; with P > 1 an idle rank still takes part
+    if x.shape[0] == 0 and cfg.ep_size == 1:
+        return x.new_empty(0, cfg.hidden_size)  # nothing to do; with P > 1 an idle rank still takes part
     if packed.pad is not None:
-        y = _forward(packed.pad(x), topk_ids, topk_weights, packed, check_values)
-        return y[:, : packed.cfg.hidden_size].contiguous()  # a plain [T, H] tensor (one small copy), not a view
-    return _forward(x, topk_ids, topk_weights, packed, check_values)
+        y = _forward(packed.pad(x), topk_ids, topk_weights, packed, check_values, compiling)
+        return y[:, : cfg.hidden_size].contiguous()  # a plain [T, H] tensor (one small copy), not a view
+    return _forward(x, topk_ids, topk_weights, packed, check_values, compiling)
 
 
-def _forward(x, topk_ids, topk_weights, packed: PackedMoE, check_values: bool) -> torch.Tensor:
-    if torch.compiler.is_compiling():
+def _forward(x, topk_ids, topk_weights, packed: PackedMoE, check_values: bool, compiling: bool) -> torch.Tensor:
+    if compiling:
         return torch.ops.gcmoe.moe_forward(x, topk_ids, topk_weights, list(packed.tensors), packed.handle, check_values)
     return packed.plan.forward(x, topk_ids, topk_weights, check_values)
 

@@ -37,7 +37,8 @@ Resources (owned by the plans and their lanes; nothing module-global):
     streams    every stream the pool or a lane uses for itself is its own (gcmoe_greenctx.OwnedStream), never one of
                torch's pool, which past 32 objects can hand out the very stream a caller is capturing.
     eager call the call's pointers and T written to the next pinned staging slot, one async copy of it into the
-               device argument block, the bucket's graph replayed (host time: docs/benchmarks/index.md, Model step).
+               device argument block, the bucket's graph launched: two ctypes driver calls (gcmoe_greenctx.launch;
+               host time: docs/benchmarks/index.md, Model step).
     captured   inside a caller's capture, the same kernels enqueued with arguments by value, on the lane's partition
                streams forked from the capture stream.
     checks     publish checks ids in [0, E) and finite weights on the device (a bad id is dropped, never
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import struct
 import threading
 import time
 from dataclasses import replace
@@ -68,10 +70,12 @@ from gcmoe_comm.workspace import CommError, bad_input_message, error_message
 from gcmoe_core.config import MoEConfig, check_call_values
 from gcmoe_core.reference import MoEWeights, combine_slots
 from gcmoe_greenctx import capturing, relaxed_capture
+from gcmoe_greenctx.launch import copy_then_launch
 
 from .base import LayerOptions, cuda_missing, kernel_package_missing
 
 L2_PREFETCH_MAX_BUCKET = 1  # the shared experts' W1 prefetched into L2 at these buckets (module docstring)
+_SLOT = struct.Struct("<6q")  # a staging slot's words: x, ids, weights, out, T, ids are int64 (gcmoe_comm.kernels)
 HOST_WAIT_S = 60.0  # the host never waits longer than this for the device to consume an argument slot
 
 
@@ -184,6 +188,7 @@ class Sm90Plan:
         self.prefetch_ranges = self.moe.shared_w1_ranges()[:MAX_RANGES]
         self._lanes: dict = {}  # lane key -> Lane (held here; the pool holds them weakly)
         self._graphs: dict = {}  # (lane key, bucket) -> the bucket's captured role graph (the slot path)
+        self._execs: dict = {}  # (lane key, bucket) -> its executable's handle (call() launches it)
         self._lock = threading.Lock()
         if self.collective:
             for m in range(MICRO_BATCHES):  # every micro-batch's lane: collective, so at load
@@ -422,15 +427,17 @@ class Sm90Plan:
                 finally:
                     g.capture_end()
             self._graphs[key] = g
+            self._execs[key] = g.raw_cuda_graph_exec() if hasattr(g, "raw_cuda_graph_exec") else 0  # (torch < 2.9: 0)
         return g
 
     def call(self, lane: Lane, x, topk_ids, topk_weights, check_values: bool, stream: int) -> torch.Tensor:
-        """The eager path on `stream` (the current one's handle): a few Python steps, one async copy, one graph
-        launch."""
+        """The eager path on `stream` (the current one's handle): a few Python steps, the call's pointers packed into
+        a pinned staging slot, one async copy of it and one graph launch (two ctypes calls: gcmoe_greenctx.launch)."""
         t = x.shape[0]
         n = lane.seq
         st = lane.status_np
-        lane.raise_comm_error()
+        if st[8]:
+            lane.raise_comm_error()
         if check_values and n > 0:
             if st[0] < n:
                 lane.wait_done(n)  # the previous call's publish ran: its BAD words are in the status
@@ -439,19 +446,30 @@ class Sm90Plan:
         if n >= lane.nslots and st[0] < n - lane.nslots + 1:
             lane.wait_done(n - lane.nslots + 1)  # staging slot n mod NSLOTS: its copy has run
         out = torch.empty_like(x)  # [T, H] bf16 like x (validated contiguous)
-        graph = self._graphs.get((lane.key, token_bucket(t))) or self.graph(lane, token_bucket(t))
-        k = n % lane.nslots
-        row = lane.slots_np[k]
-        row[0], row[1], row[2], row[3] = x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr()
-        row[4], row[5] = t, topk_ids.dtype == torch.int64
-        err = _driver.cuMemcpyHtoDAsync(
-            lane.args_ptr, lane.slot0 + k * lane.slot_bytes, lane.slot_bytes, _driver.CUstream(stream)
-        )[0]
-        if err != _driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"gcmoe: copying the call's arguments to the device failed: {err}")
-        graph.replay()
+        key = (lane.key, token_bucket(t))
+        graph_exec = self._execs.get(key)
+        if graph_exec is None:
+            self.graph(lane, key[1])
+            graph_exec = self._execs[key]
+        off = (n % lane.nslots) * lane.slot_bytes
+        ptrs = (x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr())
+        _SLOT.pack_into(lane.slots_np, off, *ptrs, t, topk_ids.dtype == torch.int64)
+        src, size = lane.slot0 + off, lane.slot_bytes
+        fast = graph_exec and torch._C._cuda_getDevice() == self.device.index
+        if not fast or copy_then_launch(lane.args_addr, src, size, graph_exec, stream):
+            self._launch_on_device(lane, key, src, stream)
         lane.seq = n + 1
         return out
+
+    def _launch_on_device(self, lane: Lane, key, src: int, stream: int) -> None:
+        """The slow path of call(): with the layer's device current (another device was, or this thread had no
+        current CUDA context, or torch has no graph handle), through cuda-python and CUDAGraph.replay."""
+        with torch.cuda.device(self.device):
+            dst, s = _driver.CUdeviceptr(lane.args_addr), _driver.CUstream(stream)
+            err = _driver.cuMemcpyHtoDAsync(dst, src, lane.slot_bytes, s)[0]
+            if err != _driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"gcmoe: copying the call's arguments to the device failed: {err}")
+            self._graphs[key].replay()
 
 
 class Lane:
@@ -501,7 +519,7 @@ class Lane:
             # (async, on the call's stream) into the device argument block the bucket graphs' publish reads
             self.slots = torch.zeros(NSLOTS, SLOT_WORDS, dtype=torch.int64, pin_memory=True)
             self.args = torch.zeros(SLOT_WORDS, dtype=torch.int64, device=dev)
-            self.args_ptr = _driver.CUdeviceptr(self.args.data_ptr())
+            self.args_addr = self.args.data_ptr()
             self.slot0, self.slot_bytes = self.slots.data_ptr(), 8 * SLOT_WORDS
             self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=True)  # the slot path's
             self.step_status = torch.zeros(STATUS_WORDS, dtype=torch.int32, pin_memory=True)  # captured calls'
