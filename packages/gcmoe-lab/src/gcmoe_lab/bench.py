@@ -486,14 +486,35 @@ def run(
         copy_tb_s=bw / 1e12 if bw else None,
         reproduce=reproduce,
         notes=[
-            "triton_kernels and deepgemm compute the routed experts only (neither has a shared expert); "
-            "their x_floor is against floor_routed_us, and the speedups against them compare unequal work",
-            "a peer's median is its best form with everything inside the timed call (triton_kernels: best of "
-            "num_warps 8 / 4, routing metadata inside); its prepared µs is its best form with its own harness's "
-            "per-call preparation done before the timed call (triton_kernels: the routing metadata; deepgemm: "
-            "x's FP8 cast and the copies into its buffer); every form's time is in the JSON",
-            "torch_fp8 is timed eagerly (torch's grouped GEMMs under graph replay hit an illegal address on "
-            "torch 2.11)",
+            *(
+                []
+                if gpu
+                else [
+                    "**a CPU run**: the layer ran on the plain-torch reference backend, not the GPU kernels; "
+                    "these are CPU wall-clock times of that reference (no floor, no peers)"
+                ]
+            ),
+            *(
+                [
+                    "triton_kernels and deepgemm compute the routed experts only (neither has a shared expert); "
+                    "their x_floor is against floor_routed_us, and the speedups against them compare unequal work",
+                    "a peer's median is its best form with everything inside the timed call (triton_kernels: best "
+                    "of num_warps 8 / 4, routing metadata inside); its prepared µs is its best form with its own "
+                    "harness's per-call preparation done before the timed call (triton_kernels: the routing "
+                    "metadata; deepgemm: x's FP8 cast and the copies into its buffer); every form's time is in the "
+                    "JSON",
+                ]
+                if {"triton_kernels", "deepgemm"} & set(variants)
+                else []
+            ),
+            *(
+                [
+                    "torch_fp8 is timed eagerly (torch's grouped GEMMs under graph replay hit an illegal address on "
+                    "torch 2.11)"
+                ]
+                if gpu and "torch_fp8" in variants
+                else []
+            ),
         ],
         layer_backends={},
         model_setup={},
@@ -666,6 +687,9 @@ def _row(cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+OPTIONAL_COLUMNS = ("floor µs", "× floor", "prepared µs", "speedup, prepared")
+
+
 def markdown(result: dict) -> str:
     meta, recs = result["meta"], result["records"]
     drv = meta.get("driver") or "–"
@@ -681,20 +705,20 @@ def markdown(result: dict) -> str:
         f"Method: {meta['method']}.",
         "Layer backends: "
         + ", ".join(f"{m}: {'/'.join(b) or '–'}" for m, b in meta["layer_backends"].items())
-        + ". × floor: median / (FP4 weight + scale bytes of the active experts / copy bandwidth); "
-        "speedup: the variant's median / the partitioned layer's (eager layer on a CPU).",
+        + (
+            ". × floor: median / (FP4 weight + scale bytes of the active experts / copy bandwidth)"
+            if meta.get("copy_tb_s")
+            else ""
+        )
+        + "; speedup: the variant's median / the partitioned layer's (eager layer on a CPU).",
     ]
     lines += [f"Note: {n}." for n in meta.get("notes", [])]
     if meta.get("aborted"):
         lines.append(f"**Run aborted**: {meta['aborted']}.")
-    lines += [
-        "",
-        f"Reproduce: `{meta['reproduce']}`" if meta.get("reproduce") else "",
-        "",
-        "| model | T | active | floor µs | variant | backend | mode | median µs | × floor | speedup | calc_diff "
-        "| prepared µs | speedup, prepared |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+    lines += ["", f"Reproduce: `{meta['reproduce']}`" if meta.get("reproduce") else "", ""]
+    header = ["model", "T", "active", "floor µs", "variant", "backend", "mode", "median µs", "× floor", "speedup"]
+    header += ["calc_diff", "prepared µs", "speedup, prepared"]
+    rows = []
     lead_of = {}
     for r in recs:
         if any(k.startswith("speedup_vs_") for k in r):
@@ -715,7 +739,11 @@ def markdown(result: dict) -> str:
             cells.append(_fmt(r.get("calc_diff"), ".1e"))
             sp_p = lead.get(f"speedup_vs_{r['variant']}_prepared") if lead is not None else None
             cells += [_fmt(r.get("prepared_us"), ".1f"), _fmt(sp_p, ".2f")]
-        lines.append(_row(cells))
+        rows.append(cells)
+    # columns with nothing in any row (a CPU run: no floor; no peer: nothing prepared) are left out
+    keep = [i for i, name in enumerate(header) if name not in OPTIONAL_COLUMNS or any(c[i] != "–" for c in rows)]
+    lines += [_row([header[i] for i in keep]), _row(["---"] * len(keep))]
+    lines += [_row([c[i] for i in keep]) for c in rows]
     host = [r for r in recs if isinstance(r.get("host"), dict)]
     if host:
         lines += [
