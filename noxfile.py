@@ -6,6 +6,7 @@ nox -s integration                     end to end: the CLI, the offline compile,
 nox -s compile                         CuTe DSL kernels compiled offline for sm_90a / sm_100a / sm_103a + SASS checks
 nox -s lint                            ruff
 nox -s docs                            the documentation site: mkdocs build --strict into site/
+nox -s engines                         opt-in: the vLLM adapter against vLLM's real classes (installs vLLM from PyPI)
 nox -s gpu                             what a GPU runner runs: the gpu/sm90/sm103-marked tests, then `gcmoe-lab bench`
 nox -s ci                              lint + tests + integration + compile + docs, as .ci/run runs them
 nox -s venv                            the project's .venv as `uv run` would make it (honours the override below)
@@ -129,6 +130,17 @@ def venv(session: nox.Session) -> None:
     """The project's .venv, as `uv run` makes it (the workspace and the dev group), but honouring
     GCMOE_TORCH_FIND_LINKS; then `uv run --no-sync gcmoe demo` uses it."""
     _sync(session, venv=os.environ.get("UV_PROJECT_ENVIRONMENT") or str(ROOT / ".venv"))
+
+
+@nox.session(python=PYTHON)
+def engines(session: nox.Session) -> None:
+    """Opt-in (not in CI's list): the engine adapters against the engines' real classes, vLLM from PyPI (not uv.lock;
+    it brings its own CUDA torch, several GB). CPU-runnable; the GPU-marked tests skip without one."""
+    session.install("vllm==0.33.0", "pytest")
+    session.install("--no-deps", *[f"-e./packages/{p}" for p in PACKAGES if p != "gcmoe-lab"])
+    # vllm 0.33.0 pins nvidia-cutlass-dsl 4.8.0; the kernels are tested on 4.8.1 (installed over it, a known conflict)
+    session.install("nvidia-cutlass-dsl[cu13]==4.8.1", "cuda-bindings>=12.8", "tqdm>=4.66", "safetensors>=0.4")
+    session.run("pytest", "packages/gcmoe/tests/test_vllm_adapter.py", "-rs", *session.posargs)
 
 
 @nox.session(python=False)
