@@ -102,3 +102,21 @@ def test_demo_runs_gpt_oss(capsys):
     d = json.loads(out)
     assert rc == 0 and d["ok"] and d["calc_diff"] <= 1e-3 and d["config"]["hidden_size"] == 2880
     assert 0.9 < d["quantisation"]["cosine"] < 0.9999
+
+
+def test_lazy_names_and_their_type_checking_imports_agree():
+    """gcmoe/__init__.py names each public name twice: in _HOMES (what __getattr__ imports) and in its TYPE_CHECKING
+    block (what type checkers and the API docs read); both lists, and the modules, must agree."""
+    import ast
+    from pathlib import Path
+
+    import gcmoe
+
+    tree = ast.parse(Path(gcmoe.__file__).read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    seen = {}
+    for node in guarded.body:
+        home = node.module if node.level == 0 else f"gcmoe.{node.module}"
+        seen.update({a.name: home for a in node.names})
+    assert seen == gcmoe._HOMES
+    assert all(getattr(gcmoe, name) is not None for name in gcmoe.__all__)

@@ -10,8 +10,21 @@ Names load on first use (PEP 562), so `import gcmoe` and `gcmoe --help` do not i
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the names as type checkers and the API docs see them (the test suite keeps this equal to _HOMES)
+    from gcmoe_comm.workspace import CommError  # noqa: F401
+    from gcmoe_core.config import MODEL_SHAPES, MoEConfig  # noqa: F401
+    from gcmoe_core.formats import MXFP4Tensor, quantize_mxfp4  # noqa: F401
+    from gcmoe_core.reference import MoEWeights  # noqa: F401
+
+    from .backends import BackendUnavailable, choose  # noqa: F401
+    from .checkpoints import MoECheckpointInfo, load_moe_layer, load_moe_layer_weights  # noqa: F401
+    from .engine import fused_experts, fused_experts_masked  # noqa: F401
+    from .layer import MoELayer, PackedMoE, moe, prepack  # noqa: F401
+    from .pool import LayerPool, default_pool, micro_batch  # noqa: F401
 
 _HOMES = {
     "CommError": "gcmoe_comm.workspace",
