@@ -709,46 +709,60 @@ class Report:
         return not self.deadlocks and not self.violations
 
 
-def explore(cfg: Config, max_states: int = 5_000_000, reduce: bool = True, start=None) -> Report:
-    """Every interleaving (memoised on the global state; reduce: see _expand) from `start` (default: the first
-    call; recovered_state(cfg): the calls after a recover())."""
-    start = start or _initial(cfg)
+def _search(name: str, start, expand, max_states: int, keep: int) -> Report:
+    """Every state reachable from `start` (memoised DFS). expand(state, trace, deadlocks, violations, errors) ->
+    [(desc, next state)]; a trace keeps its last `keep` steps."""
     seen = {start}
     stack = [(start, ())]
     deadlocks: list[str] = []
     violations: list[str] = []
     errors: set = set()
     while stack and len(seen) <= max_states:
-        (pcs, shared), trace = stack.pop()
-        moves = _expand(cfg, pcs, shared, trace, deadlocks, violations, reduce, errors)
-        for desc, npcs, nshared in moves:
-            st = (npcs, nshared)
-            if st not in seen:
-                seen.add(st)
-                stack.append((st, (*trace[-11:], desc)))
+        state, trace = stack.pop()
+        for desc, nstate in expand(state, trace, deadlocks, violations, errors):
+            if nstate not in seen:
+                seen.add(nstate)
+                stack.append((nstate, (*trace[-keep:], desc)))
     if stack:
-        raise RuntimeError(f"explore: state space exceeds {max_states} states; shrink the configuration")
+        raise RuntimeError(f"{name}: state space exceeds {max_states} states; shrink the configuration")
     return Report(len(seen), deadlocks[:5], violations[:5], errors)
 
 
-def random_walks(cfg: Config, walks: int, seed: int = 0) -> Report:
-    """Random interleavings for configurations too large to enumerate."""
+def _walks(start, expand, walks: int, seed: int) -> Report:
+    """`walks` random interleavings from `start` (expand as _search's); states: the steps taken."""
     rng = random.Random(seed)
     deadlocks: list[str] = []
     violations: list[str] = []
     errors: set = set()
     steps = 0
     for _ in range(walks):
-        pcs, shared = _initial(cfg)
-        trace: list[str] = []
-        while True:
-            moves = _expand(cfg, pcs, shared, trace, deadlocks, violations, False, errors)
-            if not moves:
-                break
-            desc, pcs, shared = rng.choice(moves)
+        state, trace = start, []
+        while moves := expand(state, trace, deadlocks, violations, errors):
+            desc, state = rng.choice(moves)
             trace.append(desc)
             steps += 1
     return Report(steps, deadlocks[:5], violations[:5], errors)
+
+
+def _one_lane(cfg: Config, reduce: bool):
+    """_expand on (pcs, shared) states, as _search / _walks call it."""
+
+    def expand(state, trace, deadlocks, violations, errors):
+        moves = _expand(cfg, *state, trace, deadlocks, violations, reduce, errors)
+        return [(desc, (pcs, shared)) for desc, pcs, shared in moves]
+
+    return expand
+
+
+def explore(cfg: Config, max_states: int = 5_000_000, reduce: bool = True, start=None) -> Report:
+    """Every interleaving (memoised on the global state; reduce: see _expand) from `start` (default: the first
+    call; recovered_state(cfg): the calls after a recover())."""
+    return _search("explore", start or _initial(cfg), _one_lane(cfg, reduce), max_states, 11)
+
+
+def random_walks(cfg: Config, walks: int, seed: int = 0) -> Report:
+    """Random interleavings for configurations too large to enumerate."""
+    return _walks(_initial(cfg), _one_lane(cfg, False), walks, seed)
 
 
 # ---------------------------------------------------------------------------------------------- two lanes per rank
@@ -987,21 +1001,12 @@ def _two_done(cfg: TwoLaneConfig, state) -> bool:
 def explore_two_lanes(cfg: TwoLaneConfig, max_states: int = 5_000_000, reduce: bool = True) -> Report:
     """Every interleaving of both lanes' calls on every rank, CTA placements included (memoised DFS). reduce: a PRIVATE
     step (see _expand) of an in-flight call runs alone (its kernel's CTAs stay resident while it is enabled)."""
-    start = _two_initial(cfg)
-    seen = {start}
-    stack = [(start, ())]
-    deadlocks: list[str] = []
-    violations: list[str] = []
-    errors: set = set()
-    while stack and len(seen) <= max_states:
-        state, trace = stack.pop()
-        for desc, nstate in _two_expand(cfg, state, trace, deadlocks, violations, errors, reduce):
-            if nstate not in seen:
-                seen.add(nstate)
-                stack.append((nstate, (*trace[-23:], desc)))
-    if stack:
-        raise RuntimeError(f"explore_two_lanes: state space exceeds {max_states} states; shrink the configuration")
-    return Report(len(seen), deadlocks[:5], violations[:5], errors)
+    return _search("explore_two_lanes", _two_initial(cfg), _two_lanes(cfg, reduce), max_states, 23)
+
+
+def _two_lanes(cfg: TwoLaneConfig, reduce: bool):
+    """_two_expand as _search / _walks call it."""
+    return lambda state, trace, d, v, e: _two_expand(cfg, state, trace, d, v, e, reduce)
 
 
 def _two_expand(cfg: TwoLaneConfig, state, trace, deadlocks, violations, errors, reduce: bool) -> list:
@@ -1043,16 +1048,4 @@ def _two_summary(cfg: TwoLaneConfig, state) -> str:
 
 def random_walks_two_lanes(cfg: TwoLaneConfig, walks: int, seed: int = 0) -> Report:
     """Random interleavings of configurations too large to enumerate."""
-    rng = random.Random(seed)
-    deadlocks: list[str] = []
-    violations: list[str] = []
-    errors: set = set()
-    steps = 0
-    for _ in range(walks):
-        state = _two_initial(cfg)
-        trace: list[str] = []
-        while moves := _two_expand(cfg, state, trace, deadlocks, violations, errors, False):
-            desc, state = rng.choice(moves)
-            trace.append(desc)
-            steps += 1
-    return Report(steps, deadlocks[:5], violations[:5], errors)
+    return _walks(_two_initial(cfg), _two_lanes(cfg, False), walks, seed)
