@@ -96,13 +96,14 @@ class MoECheckpointInfo:
 
 # ------------------------------------------------------------------------------------------------------ numerics
 def dequantize_fp8_block128x128(q: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """float8_e4m3fn [N, K] with scale_inv [ceil(N/block), ceil(K/block)] -> fp32 [N, K]: each element times its
-    block's scale (an E4M3 value has 4 significant bits, so the fp32 product is the correctly rounded exact one)."""
-    n, k = q.shape
-    want = (math.ceil(n / block), math.ceil(k / block))
+    """float8_e4m3fn [..., N, K] with scale_inv [..., ceil(N/block), ceil(K/block)] -> fp32 [..., N, K]: each element
+    times its block's scale (an E4M3 value has 4 significant bits, so the fp32 product is the correctly rounded exact
+    one). Leading dims: experts stacked as engines hold them (gcmoe.engine)."""
+    *lead, n, k = q.shape
+    want = (*lead, math.ceil(n / block), math.ceil(k / block))
     if tuple(scale_inv.shape) != want:
         _fail(f"fp8 weight {tuple(q.shape)} needs scale_inv {want}, got {tuple(scale_inv.shape)}")
-    s = scale_inv.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    s = scale_inv.float().repeat_interleave(block, -2)[..., :n, :].repeat_interleave(block, -1)[..., :k]
     return q.float() * s
 
 

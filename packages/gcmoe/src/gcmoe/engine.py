@@ -39,13 +39,13 @@ from gcmoe_core.layouts import deinterleave_gate_up
 from gcmoe_core.reference import MoEWeights
 
 from . import ops
+from .checkpoints import FP8_BLOCK, dequantize_fp8_block128x128
 from .layer import PackedMoE, moe, prepack
 
 # engine activation name -> (MoEConfig.activation, w13 rows interleaved gate/up as the engine lays them out)
 _ENGINE_ACTIVATIONS = {"silu": ("swiglu", False), "swigluoai": ("swiglu_clamped", True)}
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # unquantised weights (validate_weights'), activations
 _MXFP4, _FP8 = torch.uint8, torch.float8_e4m3fn  # quantised engine weights: MXFP4 blocks, FP8 (128x128 block scales)
-FP8_BLOCK = 128
 # vLLM's quantisation arguments (keywords, or attributes of quant_config: vLLM's FusedMoEQuantConfig or any object with
 # these names, per_channel_quant being its per_act_token_quant) -> the value that means "not used". The first six are
 # taken; the others only at that value (anything else: a ValueError naming it).
@@ -185,10 +185,7 @@ def _float_values(w: torch.Tensor, scale) -> torch.Tensor:
     float32 scale_inv [E, ceil(N/128), ceil(K/128)] (DeepSeek-V3's 128x128 blocks; fp32 products)."""
     if w.dtype == _MXFP4:
         return dequantize_mxfp4(w, scale)
-    if w.dtype != _FP8:
-        return w
-    n, k = w.shape[1:]
-    return w.float() * scale.repeat_interleave(FP8_BLOCK, 1)[:, :n].repeat_interleave(FP8_BLOCK, 2)[:, :, :k]
+    return dequantize_fp8_block128x128(w, scale) if w.dtype == _FP8 else w
 
 
 def engine_weights(w1, w2, quant: str, interleaved: bool, q: dict) -> MoEWeights:
