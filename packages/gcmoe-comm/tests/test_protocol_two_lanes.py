@@ -59,3 +59,14 @@ def test_two_lanes_on_one_workspace_are_caught():
 def test_a_lane_on_the_other_lanes_tags_is_caught():
     rep = random_walks_two_lanes(TwoLaneConfig(ranks=2, calls=1, cross_tags=True), walks=100, seed=4)
     assert rep.violations or rep.deadlocks, rep
+
+
+def test_spinning_grids_within_the_cap_do_not_deadlock():
+    # the layer's rule (gcmoe.backends.sm90.spin_caps): with two calls in flight per rank, dispatch and finalize keep
+    # to (slots - 1) // 2 CTAs each, so some slot is always free for the call the peers wait on; W1 / W2 unbounded
+    cfg = TwoLaneConfig(ranks=2, calls=2, grids=Grids(1, 2, 6, 6, 2), slots=5)
+    rep = random_walks_two_lanes(cfg, walks=30, seed=1)
+    assert rep.ok, (rep.deadlocks, rep.violations)
+    over = TwoLaneConfig(ranks=2, calls=2, grids=Grids(1, 5, 3, 3, 5), slots=5)  # the same rank, uncapped: stuck
+    rep = random_walks_two_lanes(over, walks=30, seed=1)
+    assert rep.deadlocks and not rep.violations, rep

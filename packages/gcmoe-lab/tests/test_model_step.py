@@ -1,15 +1,19 @@
 """`gcmoe-lab bench --model-step` on a CPU: the step it builds is the model's layers called one by one (checked
-against gcmoe_core.reference, not through MoELayer), two micro-batches are two steps, the targets' format and
-verdicts, the model table (layer counts, qwen3-235b's lab shape), the computed P = 8 memory, and the CLI flag with a
-tiny run's JSON and markdown. On a GPU: a small captured step is exact against its eager self."""
+against gcmoe_core.reference, not through MoELayer), two micro-batches are two steps, the pair's tuned variant (timed
+where its policy partitions, the unpartitioned step's twin where it does not), the targets' format and verdicts, the
+model table (layer counts, qwen3-235b's lab shape), the computed P = 8 memory, and the CLI flags with a tiny run's
+JSON and markdown. On a GPU: a small captured step is exact against its eager self, the pair tuned first."""
 
 from __future__ import annotations
 
 import json
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from gcmoe.policy import Policy
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.reference import moe_reference
 from gcmoe_core.testing import make_weights
@@ -123,9 +127,11 @@ def _gpu_like_result() -> dict:
         },
         "deepseek-v4-flash": {"layers": 43, "layers_captured": "43 layers at T = 256: RuntimeError: capture"},
     }
+    pair = lambda tuned, forced: {"tuned_over_unpartitioned": tuned, "forced_partitioned_over_unpartitioned": forced}
     records = [
-        {"step_over_sum": 1.01, "two_batch_over_two_steps": 0.9, "partitioned_over_unpartitioned": 0.95},
-        {"step_over_sum": 1.05, "two_batch_over_two_steps": 0.8, "partitioned_over_unpartitioned": 1.02},
+        {"step_over_sum": 1.01, "two_batch_over_two_steps": 0.9, **pair(1.02, 0.95)},
+        {"step_over_sum": 1.05, "two_batch_over_two_steps": 0.8, **pair(0.99, 1.04)},
+        {"step_over_sum": 1.0, "two_batch_over_two_steps": 0.8, **pair(1.0, 0.89), "tuned_same_as_unpartitioned": True},
         {"error": "RuntimeError: boom"},
     ]
     return {"meta": {"device_kind": "cuda:0"}, "models": models, "records": records}
@@ -142,11 +148,12 @@ def test_targets_of_a_gpu_run():
         "load_s_per_layer": (1.5, False),  # the worst model
         "step_over_sum_max": (1.05, False),
         "two_batch_over_two_steps_max": (0.9, True),
-        "partitioned_over_unpartitioned_two_batch_p1_min": (0.95, False),  # holds when >= its limit
+        "partitioned_over_unpartitioned_two_batch_p1_min": (0.99, False),  # the tuned policy's; holds when >= 1
         "eager_host_us_per_layer": (9.0, True),  # the host's own work: checks off
         "layers_captured": (94, True),  # the failed capture's message is not a count
     }
     assert "device level 0.80 GB" in t["memory_58_layers_p1_gb"]["note"]
+    assert "tuned policy" in t["partitioned_over_unpartitioned_two_batch_p1_min"]["note"]
     res = _gpu_like_result()
     res["models"]["deepseek-v3"]["layers"] = 30  # not the 58-layer step the target names
     t = model_step.targets(res)["memory_58_layers_p1_gb"]
@@ -157,6 +164,62 @@ def test_cli_flag_parses():
     args = bench.parser().parse_args(["--model-step", "--layers", "2", "--two-batch-layers", "1", "--peer-layers", "0"])
     assert args.model_step and (args.layers, args.two_batch_layers, args.peer_layers) == (2, 1, 0)
     assert not bench.parser().parse_args([]).model_step
+    p = model_step.parser()  # bench's flags and --[no-]tune-two-batch
+    assert p.parse_args(["--model-step", "--layers", "2"]).tune_two_batch is None  # default: on for GPU runs
+    assert p.parse_args(["--model-step", "--tune-two-batch"]).tune_two_batch is True
+    assert p.parse_args(["--model-step", "--no-tune-two-batch", "--two-batch-layers", "3"]).tune_two_batch is False
+
+
+class FakeMoE:
+    """A layer whose policy gives a two-batch call `policy`'s comm SMs; it adds `scale` x its input."""
+
+    def __init__(self, policy: Policy | None, scale: float):
+        self.packed = SimpleNamespace(plan=SimpleNamespace(policy=policy) if policy else SimpleNamespace())
+        self.scale, self.policy = scale, policy
+
+    def __call__(self, h, ids, w):
+        return h * self.scale
+
+    def describe(self) -> dict:
+        return {"policy": self.policy.source if self.policy else None}
+
+
+def test_pair_times_the_tuned_step_only_where_it_partitions():
+    """The tuned variant at T: its layers' two-batch comm SMs (its token bucket's); where 0 its step is the
+    unpartitioned step's graph: not captured nor timed, its µs the unpartitioned one's, the ratio 1.0; elsewhere
+    timed and compared like the others."""
+    cfg = model_step.model_config(SMALL)
+    n, clock = 2, model_step.Clock(torch.device("cpu"), iters=1)
+    standins = model_step.make_standins(cfg, n, "cpu")
+    inputs = {t: model_step.step_inputs(cfg, t, 0, "cpu") for t in (1, 2, 3)}
+    tuned = Policy(0, 0, "tuned here", 16, 2)  # two-batch: 16 comm SMs up to T = 2 (buckets 1, 2), then none
+    assert [model_step.two_batch_comm_sms(FakeMoE(tuned, 0.0), t) for t in (1, 2, 3, 4)] == [16, 16, 0, 0]
+    assert model_step.two_batch_comm_sms(FakeMoE(None, 0.0), 1) == 0  # no policy: never partitions
+    builds = {
+        model_step.TUNED: lambda k: [FakeMoE(tuned, 0.5)] * k,
+        model_step.PARTITIONED: lambda k: [FakeMoE(Policy(16, math.inf, "forced", 16, math.inf), 0.25)] * k,
+        model_step.UNPARTITIONED: lambda k: [FakeMoE(Policy(0, 0, "none"), 0.125)] * k,
+    }
+    by_t = {t: {"tokens": t} for t in inputs}
+    rec = model_step.compare(clock, builds, standins, inputs, model_step.PAIR_RATIOS, None, by_t, n, True)
+    assert rec == {
+        "layers": n,
+        "describe": {k: {"policy": s} for k, s in zip(builds, ("tuned here", "forced", "none"))},
+    }
+    for t, r in by_t.items():
+        partitions = t <= 2
+        assert (r["tuned_comm_sms"], r["tuned_same_as_unpartitioned"]) == ((16, False) if partitions else (0, True))
+        assert r["two_batch_layers"] == n and r["exact_partitioned_two_batch"] and r["exact_unpartitioned_two_batch"]
+        assert (
+            r["forced_partitioned_over_unpartitioned"]
+            == r["unpartitioned_two_batch_us"] / r["partitioned_two_batch_us"]
+        )
+        assert r["tuned_over_unpartitioned"] == r["unpartitioned_two_batch_us"] / r["tuned_two_batch_us"]
+        if partitions:
+            assert r["exact_tuned_two_batch"] is True and r["tuned_two_batch_us"] > 0
+        else:
+            assert "exact_tuned_two_batch" not in r  # not run
+            assert r["tuned_two_batch_us"] == r["unpartitioned_two_batch_us"] and r["tuned_over_unpartitioned"] == 1.0
 
 
 def test_bad_arguments_exit_2_before_measuring(capsys):
@@ -171,6 +234,7 @@ def cpu_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("model_step")
     paths = {k: d / f"step.{k}" for k in ("json", "md")}
     argv = ["bench", "--model-step", "--models", SMALL, "--layers", "3", "--tokens", "4", "1", "--iters", "2"]
+    argv.append("--tune-two-batch")  # asked for on a CPU: the tuner's error is recorded, the run goes on
     assert cli.main([*argv, "--json", str(paths["json"]), "--markdown", str(paths["md"])]) == 0
     return json.loads(paths["json"].read_text()), paths["md"].read_text()
 
@@ -178,7 +242,8 @@ def cpu_run(tmp_path_factory):
 def test_cpu_run_records(cpu_run):
     result, _ = cpu_run
     meta, rows, m = result["meta"], result["records"], result["models"][SMALL]
-    assert meta["reproduce"] == f"gcmoe-lab bench --model-step --models {SMALL} --layers 3 --tokens 4 1 --iters 2"
+    want = f"gcmoe-lab bench --model-step --models {SMALL} --layers 3 --tokens 4 1 --iters 2 --tune-two-batch"
+    assert meta["reproduce"] == want and meta["options"]["tune_two_batch"] is True
     assert meta["device"] == "CPU" and meta["tokens"] == [1, 4] and meta["api"] == model_step.api()
     assert [(r["model"], r["tokens"], r["layers"]) for r in rows] == [(SMALL, 1, 3), (SMALL, 4, 3)]
     for r in rows:
@@ -188,15 +253,22 @@ def test_cpu_run_records(cpu_run):
         assert r["sum_us"] == pytest.approx(3 * (r["layer_us"] + r["standin_us"]))
         assert r["step_over_sum"] == pytest.approx(r["step_us"] / r["sum_us"])
         assert r["two_batch_over_two_steps"] == pytest.approx(r["two_batch_us"] / (2 * r["step_us"]))
-        assert r["partitioned_over_unpartitioned"] == pytest.approx(
+        assert r["forced_partitioned_over_unpartitioned"] == pytest.approx(
             r["unpartitioned_two_batch_us"] / r["partitioned_two_batch_us"]
         )
-        assert "triton_kernels_step_us" not in r
+        # the reference backend never partitions: the tuned step is the unpartitioned one's twin at every T
+        assert (r["tuned_comm_sms"], r["tuned_same_as_unpartitioned"], r["tuned_over_unpartitioned"]) == (0, True, 1.0)
+        assert r["tuned_two_batch_us"] == r["unpartitioned_two_batch_us"] and "exact_tuned_two_batch" not in r
+        assert "partitioned_over_unpartitioned" not in r and "triton_kernels_step_us" not in r
     assert m["layers"] == 3 and m["describe"]["backend"] == "reference" and m["memory"] is None
     assert m["load"]["prepack_s_per_layer"] > 0 and set(m["load"]["warmup_s_by_tokens"]) == {"1", "4"}
     for host in (m["host"]["check1"], m["host"]["check0"]):
         assert host["calls"] == 3 * model_step.HOST_STEPS and host["p90_us"] >= host["median_us"] > 0
     assert m["peer"]["error"].startswith("absent: needs a CUDA device")
+    assert m["tune_two_batch"] == {
+        "error": "ValueError: tune_two_batch: timing needs a CUDA device, got cpu (or pass time_fn)"
+    }
+    assert set(m["pair"]["describe"]) == {"tuned_two_batch", "partitioned_two_batch", "unpartitioned_two_batch"}
     assert {k: v["limit"] for k, v in result["targets"].items()} == ISSUE_TARGETS
     assert all(v["value"] is None and v["holds"] is False and "CPU" in v["note"] for v in result["targets"].values())
 
@@ -212,18 +284,36 @@ def test_cpu_run_markdown(cpu_run):
     cells = [c.strip() for c in steps[0].strip("|").split("|")]
     r = result["records"][0]
     assert cells[1:4] == ["1", "3", f"{r['step_us']:.1f}"] and "yes" in cells
+    head = [c.strip() for c in md.split("## Steps")[1].strip().splitlines()[0].strip("|").split("|")]
+    row = dict(zip(head, cells))
+    assert (row["tuned comm SMs"], row["unpart. / tuned"], row["tuned is unpart."]) == ("0", "1.000", "yes")
+    assert row["unpart. / forced part."] == f"{r['forced_partitioned_over_unpartitioned']:.3f}"
+    notes = md.split("## Notes")[1].split("## Models")[0]
+    assert "partitioned_over_unpartitioned_two_batch_p1_min measures the layer's own partition policy" in notes
+    assert "t(unpartitioned two-batch step) / t(two-batch step of layers built with comm_sms=None" in notes
+    assert "recorded as 1.0" in notes and "The forced 16-SM partition at every T" in notes
+    forced = min(x["forced_partitioned_over_unpartitioned"] for x in result["records"])
+    assert f"unpart. / forced part. min {forced:.3f}" in notes
+    assert f"- {SMALL}: two-batch policy tuning failed (ValueError: tune_two_batch: timing needs a CUDA" in notes
 
 
 @pytest.mark.gpu
-def test_gpu_model_step():
-    """A small captured step on the GPU: exact against its eager self, one- and two-batch, partitioned or not; the
-    record carries memory, the capture and the host times."""
+def test_gpu_model_step(tmp_path, monkeypatch):
+    """A small captured step on the GPU: exact against its eager self, one- and two-batch, partitioned or not, the
+    pair tuned first (into a cache dir of its own); the record carries memory, the capture and the host times."""
+    monkeypatch.setenv("GCMOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("GCMOE_COMM_SMS", raising=False)
     res = model_step.run(["custom:512,256,16,4,1"], [1, 8], model_step.Options(layers=4, peer_layers=0), iters=3)
     m = res["models"]["custom:512,256,16,4,1"]
     assert m["layers_captured"] == 4 and m["memory"]["packed_gb"] > 0 and m["host"]["check0"]["median_us"] > 0, m
+    pol = m["tune_two_batch"]["policy"]
+    assert m["tune_two_batch"]["layers"] == 4 and m["tune_two_batch"]["cache"].startswith(str(tmp_path))
     for r in res["records"]:
         assert "error" not in r and r["check"] == "ok", r
         for name in ("step", "two_batch", "partitioned_two_batch", "unpartitioned_two_batch"):
             assert r[f"exact_{name}"] is True, (name, r)
-        assert r["step_us"] > 0 and r["two_batch_us"] > 0 and r["partitioned_over_unpartitioned"] > 0
+        assert r["step_us"] > 0 and r["two_batch_us"] > 0 and r["forced_partitioned_over_unpartitioned"] > 0
+        want = pol["comm_sms"] if r["tokens"] <= pol["unpartitioned_above"] else 0
+        assert r["tuned_comm_sms"] == want and r["tuned_same_as_unpartitioned"] == (want == 0), (pol, r)
+        assert r["tuned_over_unpartitioned"] > 0 and (want == 0) == ("exact_tuned_two_batch" not in r)
     assert res["targets"]["layers_captured"]["value"] == 4 and res["targets"]["step_over_sum_max"]["value"] > 0

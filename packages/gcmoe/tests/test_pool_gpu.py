@@ -46,6 +46,27 @@ def _chain(layers, routes, h):
     return h
 
 
+def _two_batch_step(plans, streams, ins, ranks, batches):
+    """Virtual ranks' layers (plans[i][r]) as pre-norm residual blocks, every (micro-batch m, rank r) on its own
+    stream forked from and joined back to the current one, each micro-batch's calls under gcmoe.micro_batch(m)."""
+    main = torch.cuda.current_stream()
+    outs = {}
+    used = [streams[m, r] for m in batches for r in ranks]
+    for m in batches:
+        with gcmoe.micro_batch(m):
+            for r in ranks:
+                s = streams[m, r]
+                s.wait_stream(main)
+                with torch.cuda.stream(s):
+                    h, routes = ins[m, r]
+                    for layer, (ids, w) in zip(plans, routes):
+                        h = h + layer[r].forward(torch.nn.functional.rms_norm(h, (h.shape[-1],)), ids, w, False)
+                    outs[m, r] = h
+    for s in used:
+        main.wait_stream(s)
+    return outs
+
+
 def test_layers_of_one_shape_share_one_lane_per_stream_and_stay_exact():
     pool = gcmoe.LayerPool()
     shared = _layers(6, pool, 100)
@@ -161,22 +182,7 @@ def test_two_micro_batches_at_p2_in_one_captured_step_and_a_dead_peer():
         return out
 
     def step(ins, ranks=range(p), batches=range(2)):
-        main = torch.cuda.current_stream()
-        outs = {}
-        used = [streams[m, r] for m in batches for r in ranks]
-        for m in batches:
-            with gcmoe.micro_batch(m):
-                for r in ranks:
-                    s = streams[m, r]
-                    s.wait_stream(main)
-                    with torch.cuda.stream(s):
-                        h, routes = ins[m, r]
-                        for layer, (ids, w) in zip(plans, routes):
-                            h = h + layer[r].forward(torch.nn.functional.rms_norm(h, (h.shape[-1],)), ids, w, False)
-                        outs[m, r] = h
-        for s in used:
-            main.wait_stream(s)
-        return outs
+        return _two_batch_step(plans, streams, ins, ranks, batches)
 
     def want(ins):
         return {key: _chain(refs, routes, x) for key, (x, routes) in ins.items()}
@@ -219,6 +225,54 @@ def test_two_micro_batches_at_p2_in_one_captured_step_and_a_dead_peer():
     for key in outs:  # (the static inputs hold the last replay's set)
         assert torch.equal(outs[key], wants[999 % len(sets)][key]), f"after recover: {key}"
     pool.check()
+
+
+def test_two_micro_batches_at_p2_whose_grids_could_fill_the_device_stay_exact():
+    """Virtual P = 2, both micro-batches in flight (4 calls on one GPU), T = 256 of a shape whose dispatch grid alone
+    (one CTA per ring block) would cover every SM and whose finalize grid (4 per SM) too: with every one of them
+    waiting on a peer, uncapped, each call's spinning CTAs could starve the call its peers wait on. Within
+    Sm90Plan.spin_caps they stay exact against world size 1, eager and captured, and no wait runs out."""
+    from gcmoe.backends import LayerOptions
+    from gcmoe.backends.sm90 import virtual_ranks
+    from gcmoe_gemm_sm90.config import Sm90Config
+
+    p, t = 2, 256
+    cfg = MoEConfig(2048, 512, 32, 8, num_shared_experts=1, max_tokens_per_rank=t)
+    kcfg = Sm90Config(n_tile=8, stages=3, prefetch=2)  # the same kernels at every P: per token-slot bit-identical
+    weights = [make_weights(cfg, 400 + i, "cuda") for i in range(2)]
+    refs = [gcmoe.MoELayer(cfg, "cuda", "sm90", kernel_config=kcfg, comm_sms=0).load(w) for w in weights]
+    opts = LayerOptions(comm_sms=0, kernel_config=kcfg, timeout_ms=3000, pool=gcmoe.LayerPool())
+    cfg_p = cfg.replace(ep_size=p)
+    plans = [
+        virtual_ranks(cfg_p, w, torch.device("cuda"), replace(opts, name=f"big.{i}")) for i, w in enumerate(weights)
+    ]
+    plan = plans[0][0]
+    comm = plan.lane(torch.cuda.current_stream()).comm
+    assert comm.dispatch_grid(t) == plan.sm_count and comm.finalize_grid(t) >= plan.sm_count  # uncapped: all SMs
+    dispatch_cap, finalize_cap = plan.spin_caps(0, True)
+    assert 2 * p * max(dispatch_cap, finalize_cap) < plan.sm_count
+    streams = {(m, r): torch.cuda.Stream() for m in range(2) for r in range(p)}
+    g = torch.Generator().manual_seed(7)
+    ins = {}
+    for m in range(2):
+        for r in range(p):
+            x = make_tokens(cfg, t - 19 * (2 * m + r), "uniform", generator=g, device="cuda")[0]
+            ins[m, r] = (x, [make_tokens(cfg, x.shape[0], "uniform", generator=g, device="cuda")[1:] for _ in plans])
+    want = {key: _chain(refs, routes, x) for key, (x, routes) in ins.items()}
+    for _ in range(3):
+        ys = _two_batch_step(plans, streams, ins, range(p), range(2))
+        torch.cuda.synchronize()
+        for key in ys:
+            assert first_mismatch(ys[key], want[key]) == "", f"eager {key}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+        outs = _two_batch_step(plans, streams, ins, range(p), range(2))
+    for i in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        for key in outs:
+            assert torch.equal(outs[key], want[key]), f"replay {i}, micro-batch / rank {key}"
+    opts.pool.check()
 
 
 def test_eager_calls_launch_through_ctypes_and_fall_back_exactly():

@@ -3,8 +3,9 @@
 gcmoe-lab bench [--models ...] [--tokens ...] [--variants ...] [--iters N] [--json PATH] [--markdown PATH] [--plot PATH]
                                     the layer (partitioned / sequential / eager), torch FP8 and the peers side by
                                     side: interleaved, cold L2, medians, next to the FP4 floor (gcmoe_lab.bench)
-gcmoe-lab tune [--models ...] [--tokens ...] [--comm-sizes ...] [--out DIR]
-                                    measure and cache the comm partition size per shape (gcmoe_lab.tune)
+gcmoe-lab tune [--two-batch [--layers N]] [--models ...] [--tokens ...] [--comm-sizes ...] [--out DIR]
+                                    measure and cache the comm partition size per shape, one-batch calls or
+                                    (--two-batch) two micro-batches of an N-layer step (gcmoe_lab.tune)
 gcmoe-lab multigpu check|bench|dispatch [--ranks P] ...
                                     the layer across GPUs, one process per GPU (gcmoe_lab.multigpu)
 gcmoe-lab probe [NAME [ARGS]]       list the probes, or run one (gcmoe_lab.probes)
@@ -30,6 +31,10 @@ def run(command: str, args: list[str], prog: str | None = None) -> int:
     """Run one command with its arguments (prog: the name its usage shows, e.g. `gcmoe bench`)."""
     prog = prog or f"gcmoe-lab {command}"
     if command == "bench":
+        if "--model-step" in args:  # its parser: bench's and the flags only the model step reads
+            from . import model_step
+
+            return model_step.command(args, prog)
         from . import bench
 
         return bench.main(args, prog)

@@ -3,16 +3,11 @@ behind a stand-in for attention and the router — captured as one CUDA graph pe
 capture it (issue #48, item 3).
 
     gcmoe-lab bench --model-step [--models deepseek-v3 deepseek-v4-flash qwen3-235b] [--layers N]
-        [--tokens 1 8 32 128 256] [--iters 20] [--two-batch-layers N] [--peer-layers N] [--json PATH] [--markdown PATH]
+        [--tokens 1 8 32 128 256] [--iters 20] [--two-batch-layers N] [--[no-]tune-two-batch] [--peer-layers N]
+        [--json PATH] [--markdown PATH]
 
-The step (x [T, H] bf16, the residual stream), for each layer l of N:
-    h      = rms_norm(x) @ W_attn[l]          bf16 [H, H], one per layer: the attention stand-in (the norm keeps x
-                                              finite over 94 layers: SwiGLU grows with the square of its input)
-    ids, w = topk(softmax(h @ W_router[l]))   bf16 [H, E_local]: the router; w renormalised over the top-k
-    x      = x + layer[l](h, ids, w)          gcmoe.MoELayer of the model's EP8 slice (max_tokens_per_rank 256)
-Layers are built through the public API only, all loaded from ONE MoEWeights (make_weights: random MXFP4 drawn on
-the device); each prepacks its own copy, so the packed weights are distinct tensors as in a real model. Layer
-counts: MOE_LAYERS; qwen3-235b's shape is the lab's own (LAB_SHAPES: not a product model).
+The step, its stand-ins and its two micro-batches: gcmoe_lab.step (the model's EP8 slice, max_tokens_per_rank 256;
+make_weights: random MXFP4 drawn on the device). Layer counts: MOE_LAYERS.
 
 Per model on a GPU, in this order:
   load     per layer the prepack (layer.load) and the warm-up: the first eager step at every T, synchronised per layer
@@ -34,24 +29,36 @@ Per model on a GPU, in this order:
                        stream forked inside the one capture, issued layer by layer, each call under
                        gcmoe.micro_batch(i) where it exists; exact against the eager two-batch step
            timed side by side (gcmoe_lab.timing.time_interleaved: cold L2 before every run, medians)
-  pair     with the model's layers dropped: --two-batch-layers (default N; 0: none) layers with comm_sms=16 and as
-           many with comm_sms=0, each two-batch step captured and timed side by side; partitioned_over_unpartitioned
-           = t(unpartitioned) / t(partitioned): >= 1 when the partition helps
+  tune     with the model's layers dropped, unless --no-tune-two-batch (default: on for GPU runs):
+           gcmoe_lab.tune.tune_two_batch for this shape, the run's tokens and the pair's layer count; it writes the
+           two-batch policy to the tuner's cache file, which the pair's tuned layers then read (models.tune_two_batch)
+  pair     --two-batch-layers (default N; 0: none) layers of each of three policies, each two-batch step captured
+           and timed side by side:
+             tuned_two_batch          comm_sms=None: the layer's own policy (the tuned two-batch schedule);
+                                      tuned_comm_sms = the comm SMs it gives a two-batch call at T (0: unpartitioned)
+             partitioned_two_batch    comm_sms=bench.PARTITION_SMS (16) forced at every T
+             unpartitioned_two_batch  comm_sms=0
+           tuned_over_unpartitioned = t(unpartitioned) / t(tuned); where tuned_comm_sms is 0 the tuned step is the
+           unpartitioned step's graph: not timed, tuned_two_batch_us = unpartitioned_two_batch_us, the ratio 1.0 and
+           tuned_same_as_unpartitioned true. forced_partitioned_over_unpartitioned = t(unpartitioned) /
+           t(partitioned). Both >= 1 when the partition helps.
   peer     where triton_kernels runs (gcmoe_lab.peers): --peer-layers (default N; 0: none) TritonKernelsMoE layers
            (routed experts only) against as many gcmoe layers without the shared expert, the one-batch step of each;
            triton_kernels_over_gcmoe = t(triton_kernels step) / t(gcmoe routed step)
 Record: JSON {meta (run_meta, reproduce, api: which of gcmoe.micro_batch / default_pool / MoELayer(name=) existed),
-models (per model: load, memory, host, layers_captured), records (per model and T), targets ({name: {value, limit,
-holds, note}}: TARGETS says what each value is) and the markdown beside it. A phase that fails records its error;
-the others go on. Memory at P = 8 is computed (p8_memory_gb), not measured.
+models (per model: load, memory, host, layers_captured, tune_two_batch, pair), records (per model and T), targets
+({name: {value, limit, holds, note}}: TARGETS says what each value is) and the markdown beside it. The target
+partitioned_over_unpartitioned_two_batch_p1_min is the min of tuned_over_unpartitioned: what the layer's policy
+gives two micro-batches against never partitioning them; the forced partition's min is in the markdown's notes. A
+phase that fails records its error; the others go on. Memory at P = 8 is computed (p8_memory_gb), not measured.
 
 CPU (no CUDA): the same code on the reference backend with a small model-shaped config (CPU_MODELS, CPU_LAYERS
-layers, T 1 and 4): the "graphs" are the eager callables, times wall clock, no memory; every target is null.
+layers, T 1 and 4): the "graphs" are the eager callables, times wall clock, no memory, no tuning (the reference
+backend never partitions: tuned = unpartitioned at every T); every target is null.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import inspect
 import json
@@ -65,115 +72,43 @@ from pathlib import Path
 import torch
 
 import gcmoe
+from gcmoe.policy import cache_path
 from gcmoe_core.config import MoEConfig
 from gcmoe_core.reference import MoEWeights
 from gcmoe_core.testing import capture_graph, first_mismatch, make_weights
 
-from . import bench, peers
+from . import bench, peers, tune
+from .step import (
+    LAB_SHAPES,
+    MAX_TOKENS,
+    MODELS,
+    block,
+    build_layers,
+    make_standins,
+    model_config,
+    run_step,
+    run_two_batch,
+    step_inputs,
+    sync,
+    two_batch_comm_sms,
+)
 from .timing import run_meta, time_interleaved
 
-MODELS = ("deepseek-v3", "deepseek-v4-flash", "qwen3-235b")
 MOE_LAYERS = {"deepseek-v3": 58, "deepseek-v4-flash": 43, "qwen3-235b": 94}  # MoE layers (dense ones left out)
-LAB_SHAPES = {"qwen3-235b": (4096, 1536, 128, 8, 0)}  # H, I, E, top_k, shared (Qwen3-235B-A22B's config.json)
 TOKENS, CPU_MODELS, CPU_LAYERS, CPU_TOKENS = bench.TOKENS, ("custom:256,128,8,2,1",), 3, (1, 4)
 GPU_ITERS, CPU_ITERS = 20, 3
-MAX_TOKENS = 256
 PART_SAMPLES = 3
 HOST_STEPS = 5
 MICRO_BATCH_LANES = 2
 GB = 1e9
-
-
-# ---------------------------------------------------------------------------------------------------------- the step
-def model_config(model: str, ep: int = 8, max_tokens: int = MAX_TOKENS) -> MoEConfig:
-    """The world-size-1 layer of one rank's EP slice: a MODEL_SHAPES name, a LAB_SHAPES name or custom:H,I,E,k,S."""
-    if model in LAB_SHAPES:
-        h, i, e, k, s = LAB_SHAPES[model]
-        if e % ep:
-            raise ValueError(f"gcmoe bench: model {model!r}: E = {e} is not divisible by EP {ep}")
-        model = f"{bench.CUSTOM}{h},{i},{e // ep},{k},{s}"
-    return bench._model_config(model, ep, max_tokens)
-
-
-@dataclass(frozen=True)
-class StandIn:
-    """Attention + router of one layer: x [T, H] bf16 -> (h bf16 [T, H], ids int64 [T, k], w fp32 [T, k])."""
-
-    w_attn: torch.Tensor  # bf16 [H, H]
-    w_router: torch.Tensor  # bf16 [H, E_local]
-    top_k: int
-
-    def __call__(self, x: torch.Tensor):
-        h = torch.nn.functional.rms_norm(x, (x.shape[-1],)) @ self.w_attn
-        w, ids = torch.topk(torch.softmax((h @ self.w_router).float(), dim=-1), self.top_k, dim=-1)
-        return h, ids, w / w.sum(dim=-1, keepdim=True)
-
-
-def make_standins(cfg: MoEConfig, n: int, device, seed: int = 0) -> list[StandIn]:
-    g = torch.Generator(device=device).manual_seed(seed)
-    h = cfg.hidden_size
-    randn = lambda *shape: (torch.randn(*shape, generator=g, device=device) * h**-0.5).to(torch.bfloat16)
-    return [StandIn(randn(h, h), randn(h, cfg.num_experts), cfg.top_k) for _ in range(n)]
-
-
-def build_layers(cfg, weights, n, device, backend=None, comm_sms=None, tag="") -> tuple[list, list[float]]:
-    """n gcmoe.MoELayer loaded from the one `weights` (each prepacks its own copy); per layer the load's seconds."""
-    named = "name" in inspect.signature(gcmoe.MoELayer).parameters
-    layers, secs = [], []
-    for i in range(n):
-        kw = {"name": f"{tag}layers.{i}.mlp"} if named else {}
-        t0 = time.perf_counter()
-        layers.append(gcmoe.MoELayer(cfg, device, backend, comm_sms=comm_sms, **kw).load(weights))
-        _sync(torch.device(device))
-        secs.append(time.perf_counter() - t0)
-    return layers, secs
-
-
-def _micro_batch(i: int):
-    mb = getattr(gcmoe, "micro_batch", None)
-    return mb(i) if mb is not None else contextlib.nullcontext()
-
-
-def block(standin, moe, x, host_us: list | None = None):
-    """One layer of the step: x + moe(standin(x)); host_us gets the host µs of the moe call."""
-    h, ids, w = standin(x)
-    t0 = time.perf_counter()
-    y = moe(h, ids, w)
-    if host_us is not None:
-        host_us.append((time.perf_counter() - t0) * 1e6)
-    return x + y
-
-
-def run_step(standins, moes, x, host_us: list | None = None):
-    for s, m in zip(standins, moes, strict=True):
-        x = block(s, m, x, host_us)
-    return x
-
-
-def run_two_batch(standins, moes, xa, xb, side: torch.cuda.Stream | None):
-    """Two micro-batches through the step: xa on the current stream, xb on `side` (forked from it, joined back),
-    issued layer by layer; with no side stream (CPU) one after the other."""
-    if side is None:
-        return run_step(standins, moes, xa), run_step(standins, moes, xb)
-    main = torch.cuda.current_stream()
-    side.wait_stream(main)
-    for s, m in zip(standins, moes, strict=True):
-        with _micro_batch(0):
-            xa = block(s, m, xa)
-        with torch.cuda.stream(side), _micro_batch(1):
-            xb = block(s, m, xb)
-    main.wait_stream(side)
-    if not torch.cuda.is_current_stream_capturing():
-        xb.record_stream(main)
-    return xa, xb
+TUNED, PARTITIONED, UNPARTITIONED = "tuned_two_batch", "partitioned_two_batch", "unpartitioned_two_batch"
+PAIR_RATIOS = (  # (key, a, b): rec[key] = t(a) / t(b)
+    ("tuned_over_unpartitioned", UNPARTITIONED, TUNED),
+    ("forced_partitioned_over_unpartitioned", UNPARTITIONED, PARTITIONED),
+)
 
 
 # --------------------------------------------------------------------------------------------------------- measuring
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Clock:
     """GPU: graphs captured on torch's default capture stream (after the caller's eager warm-up), timed by
     time_interleaved (cold L2 before every run); CPU: the eager callables, wall clock (bench._time_cpu)."""
@@ -188,7 +123,7 @@ class Clock:
     def replay(self, g) -> None:
         if self.gpu:
             g.replay()
-            _sync(self.device)
+            sync(self.device)
 
     def time(self, runs: dict) -> dict:
         if not runs:
@@ -210,7 +145,7 @@ def captured(clock: Clock, fns: dict) -> tuple[dict, dict]:
         except Exception as e:
             runs.pop(name, None)
             rec[f"{name}_error"] = bench._err(e)
-            _sync(clock.device)
+            sync(clock.device)
             continue
         outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
         mismatch = "; ".join(m for m in map(first_mismatch, outs, refs) if m)
@@ -236,7 +171,7 @@ def _check(layers) -> str:
 def _mem(device: torch.device) -> dict | None:
     if device.type != "cuda":
         return None
-    _sync(device)
+    sync(device)
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
@@ -277,10 +212,10 @@ def _first_step(device, standins, layers, x) -> list[float]:
     """Seconds of every layer's block in one eager step, synchronised per layer."""
     secs = []
     for s, m in zip(standins, layers, strict=True):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         x = block(s, m, x)
-        _sync(device)
+        sync(device)
         secs.append(time.perf_counter() - t0)
     return secs
 
@@ -293,11 +228,11 @@ def host_times(clock: Clock, standins, layers, x) -> dict:
         per_call, busy = [], []
         with bench._env("GCMOE_CHECK_VALUES", flag):
             for _ in range(HOST_STEPS):
-                _sync(clock.device)
+                sync(clock.device)
                 running = bench._gpu_sleep(max(bench.HOST_SLEEP_MS, 1.0 * len(layers))) if clock.gpu else None
                 run_step(standins, layers, x, per_call)
                 busy.append(bool(running()) if running else None)
-                _sync(clock.device)
+                sync(clock.device)
         per_call.sort()
         out[f"check{flag}"] = {
             "calls": len(per_call),
@@ -306,11 +241,6 @@ def host_times(clock: Clock, standins, layers, x) -> dict:
             "device_busy": all(busy) if clock.gpu else None,
         }
     return out
-
-
-def _inputs(cfg: MoEConfig, t: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed + 1000 + t)
-    return tuple(torch.randn(t, cfg.hidden_size, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
 
 
 def measure_point(clock: Clock, standins, layers, xa, xb, side) -> dict:
@@ -347,18 +277,27 @@ def _step_fn(standins, moes, xa, xb, side):
     )
 
 
-def side_by_side(clock: Clock, variants: dict, inputs: dict, ratio: tuple, two_batch: bool, side) -> dict[int, dict]:
+def side_by_side(
+    clock: Clock, variants: dict, inputs: dict, ratios: tuple, two_batch: bool, side, twins: dict | None = None
+) -> dict[int, dict]:
     """Per T: each variant's step (name -> (standins, moes); two micro-batches or one) checked against its eager self
-    and timed side by side; ratio (key, a, b): rec[key] = t(a) / t(b)."""
+    and timed side by side; ratios ((key, a, b), ...): rec[key] = t(a) / t(b). twins {T: {a: b}}: at T variant a's
+    step is b's graph (the same kernels on the same partitions), so it is neither captured nor timed: t(a) = t(b)."""
     out = {}
     for t, (xa, xb) in inputs.items():
-        fns = {name: _step_fn(s, m, xa, xb if two_batch else None, side) for name, (s, m) in variants.items()}
+        same = (twins or {}).get(t, {})
+        fns = {
+            name: _step_fn(s, m, xa, xb if two_batch else None, side)
+            for name, (s, m) in variants.items()
+            if name not in same
+        }
         runs, rec = captured(clock, fns)
         times = clock.time(runs)
+        times.update({a: times[b] for a, b in same.items() if b in times})
         rec.update({f"{k}_us": v for k, v in times.items()})
-        key, a, b = ratio
-        if a in times and b in times:
-            rec[key] = times[a] / times[b]
+        for key, a, b in ratios:
+            if a in times and b in times:
+                rec[key] = times[a] / times[b]
         out[t] = rec
     return out
 
@@ -370,8 +309,9 @@ class Options:
     backend: str | None = None
     seed: int = 0
     layers: int | None = None  # default: MOE_LAYERS (CPU_LAYERS for a custom model)
-    two_batch_layers: int | None = None  # default: layers; 0: no partitioned / unpartitioned pair
+    two_batch_layers: int | None = None  # default: layers; 0: no tuned / partitioned / unpartitioned pair
     peer_layers: int | None = None  # default: layers; 0: no triton_kernels step
+    tune_two_batch: bool | None = None  # tune the two-batch policy before the pair; default: on for GPU runs
 
 
 def _drop(*lists) -> None:
@@ -390,7 +330,7 @@ def run_model(model: str, tokens: list[int], opts: Options, clock: Clock, side) 
     mrec: dict = {"layers": n, "config": dict(cfg.__dict__)}
     standins = make_standins(cfg, n, dev, opts.seed)
     weights = make_weights(cfg, seed=opts.seed, device=dev)
-    inputs = {t: _inputs(cfg, t, opts.seed, dev) for t in tokens}
+    inputs = {t: step_inputs(cfg, t, opts.seed, dev) for t in tokens}
     snaps = {"before_load": _mem(dev)}
     layers, prepack_s = build_layers(cfg, weights, n, dev, opts.backend)
     snaps["loaded"] = _mem(dev)
@@ -413,7 +353,7 @@ def run_model(model: str, tokens: list[int], opts: Options, clock: Clock, side) 
             del g, out
         except Exception as e:
             mrec["layers_captured"] = f"{n} layers at T = {tokens[-1]}: {bench._err(e)}"
-            _sync(dev)
+            sync(dev)
     mrec["memory"] = memory_record(snaps, packed_bytes(layers))
     mrec["host"] = host_times(clock, standins, layers, inputs[tokens[0]][0])
     rows = []
@@ -422,44 +362,66 @@ def run_model(model: str, tokens: list[int], opts: Options, clock: Clock, side) 
             rec = measure_point(clock, standins, layers, *inputs[t], side)
         except Exception as e:
             rec = {"error": bench._err(e), "traceback": traceback.format_exc()[-1500:]}
-            _sync(dev)
+            sync(dev)
         rows.append({"model": model, "tokens": t, **rec})
     _drop(layers)
     by_t = {r["tokens"]: r for r in rows}
     count = lambda k: n if k is None else min(k, n)
     build = lambda c, w, sms, tag: lambda k: build_layers(c, w, k, dev, opts.backend, sms, tag)[0]
+    npair = count(opts.two_batch_layers)
+    if npair and (clock.gpu if opts.tune_two_batch is None else opts.tune_two_batch):
+        mrec["tune_two_batch"] = tuned_two_batch(cfg, weights, dev, tokens, npair, clock.iters, model)
     pair = {
-        "partitioned_two_batch": build(cfg, weights, bench.PARTITION_SMS, "partitioned."),
-        "unpartitioned_two_batch": build(cfg, weights, 0, "unpartitioned."),
+        TUNED: build(cfg, weights, None, "tuned."),
+        PARTITIONED: build(cfg, weights, bench.PARTITION_SMS, "partitioned."),
+        UNPARTITIONED: build(cfg, weights, 0, "unpartitioned."),
     }
-    ratio = ("partitioned_over_unpartitioned", "unpartitioned_two_batch", "partitioned_two_batch")
-    mrec["pair"] = compare(clock, pair, standins, inputs, ratio, side, by_t, count(opts.two_batch_layers), True)
+    mrec["pair"] = compare(clock, pair, standins, inputs, PAIR_RATIOS, side, by_t, npair, True)
     why = peers.triton_kernels_missing(dev)
     routed = MoEWeights(weights.w13, weights.w2, w13_bias=weights.w13_bias, w2_bias=weights.w2_bias)
     peer = {
         "gcmoe_routed_step": build(cfg.replace(num_shared_experts=0), routed, None, "routed."),
         "triton_kernels_step": lambda k: [peers.TritonKernelsMoE(cfg, weights, dev) for _ in range(k)],
     }
-    ratio = ("triton_kernels_over_gcmoe", "triton_kernels_step", "gcmoe_routed_step")
+    ratios = (("triton_kernels_over_gcmoe", "triton_kernels_step", "gcmoe_routed_step"),)
     npeer = count(opts.peer_layers)
     mrec["peer"] = (
-        {"error": f"absent: needs {why}"} if why else compare(clock, peer, standins, inputs, ratio, None, by_t, npeer)
+        {"error": f"absent: needs {why}"} if why else compare(clock, peer, standins, inputs, ratios, None, by_t, npeer)
     )
     return mrec, rows
 
 
-def compare(clock, builds: dict, standins, inputs, ratio, side, by_t, n: int, two_batch: bool = False) -> dict:
+def tuned_two_batch(cfg, weights, device, tokens, layers: int, iters: int, label: str) -> dict:
+    """gcmoe_lab.tune.tune_two_batch for this shape (it writes the two-batch policy to the cache file the pair's
+    tuned layers read): {policy, cache, the sweep's tokens, comm_sizes, times_us, layers, iters, rounds}, or its
+    error."""
+    try:
+        res = tune.tune_two_batch(cfg, weights, device, tokens, iters=iters, layers=layers, label=label)
+    except Exception as e:
+        sync(device)
+        return {"error": bench._err(e)}
+    keep = ("policy", "tokens", "comm_sizes", "times_us", "layers", "iters", "rounds")
+    return {"cache": str(cache_path(cfg, res["key"]["device"])), **{k: res[k] for k in keep}}
+
+
+def compare(clock, builds: dict, standins, inputs, ratios, side, by_t, n: int, two_batch: bool = False) -> dict:
     """Each variant's n layers built (name -> build(n) -> moes), their steps measured side_by_side into the rows
-    (by_t); the layers dropped after. Its record: {layers, describe (of each variant's first layer)} or an error."""
+    (by_t); the layers dropped after. Its record: {layers, describe (of each variant's first layer)} or an error.
+    With a TUNED variant (the pair): per T tuned_comm_sms (its layers' two-batch comm SMs) and
+    tuned_same_as_unpartitioned (they are 0: the TUNED step is the UNPARTITIONED step's graph, its twin)."""
     if n == 0:
         return {"layers": 0, "error": "skipped"}
     moes: dict[str, list] = {}
     try:
         for name, make in builds.items():
             moes[name] = make(n)
+        comm = {t: two_batch_comm_sms(moes[TUNED][0], t) for t in inputs} if TUNED in moes else {}
+        twins = {t: {TUNED: UNPARTITIONED} for t, c in comm.items() if c == 0}
         variants = {name: (standins[:n], m) for name, m in moes.items()}
-        for t, r in side_by_side(clock, variants, inputs, ratio, two_batch, side).items():
+        for t, r in side_by_side(clock, variants, inputs, ratios, two_batch, side, twins).items():
             by_t[t].update({"two_batch_layers" if two_batch else "peer_layers": n, **r})
+            if t in comm:
+                by_t[t].update(tuned_comm_sms=comm[t], tuned_same_as_unpartitioned=t in twins)
         return {"layers": n, "describe": {name: m[0].describe() for name, m in moes.items()}}
     except Exception as e:
         return {"layers": n, "error": bench._err(e)}
@@ -481,7 +443,12 @@ TARGETS = {  # name: (limit, holds when value <= or >= limit, what the value is)
     "load_s_per_layer": (1.0, "<=", "s per layer beyond the prepack: first eager steps, layers 2..N, max of models"),
     "step_over_sum_max": (1.03, "<=", "captured step / N x (layer + stand-in replays), max over models and T"),
     "two_batch_over_two_steps_max": (1.0, "<=", "two-batch step / two one-batch steps, max over models and T"),
-    "partitioned_over_unpartitioned_two_batch_p1_min": (1.0, ">=", "t(unpartitioned) / t(partitioned), two-batch, min"),
+    "partitioned_over_unpartitioned_two_batch_p1_min": (
+        1.0,
+        ">=",
+        "t(unpartitioned) / t(the layer's tuned policy), two-batch steps, min over models and T (1.0 where the policy "
+        "runs T unpartitioned: the same graph)",
+    ),
     "eager_host_us_per_layer": (
         15.0,
         "<=",
@@ -542,7 +509,7 @@ def targets(result: dict) -> dict:
         "load_s_per_layer": pick(models, "load.warmup_s_per_layer", max),
         "step_over_sum_max": pick(rows, "step_over_sum", max),
         "two_batch_over_two_steps_max": pick(rows, "two_batch_over_two_steps", max),
-        "partitioned_over_unpartitioned_two_batch_p1_min": pick(rows, "partitioned_over_unpartitioned", min),
+        "partitioned_over_unpartitioned_two_batch_p1_min": pick(rows, "tuned_over_unpartitioned", min),
         # the host's own work per call: value checks off (with them on, each call waits for the previous layer's
         # publish, so behind a busy device its time is the device's; recorded as host.check1)
         "eager_host_us_per_layer": pick(models, "host.check0.median_us", max),
@@ -637,9 +604,11 @@ STEP_COLUMNS = (
     "T=tokens; layers=layers; step µs=step_us; µs/layer=step_us_per_layer; eager µs=eager_step_us; sum µs=sum_us; "
     "step / sum=step_over_sum; two-batch µs=two_batch_us; two-batch / 2 steps=two_batch_over_two_steps; "
     "exact=exact_step; exact two-batch=exact_two_batch; pair layers=two_batch_layers; "
-    "partitioned µs=partitioned_two_batch_us; unpartitioned µs=unpartitioned_two_batch_us; "
-    "unpart. / part.=partitioned_over_unpartitioned; peer layers=peer_layers; gcmoe routed µs=gcmoe_routed_step_us; "
-    "triton_kernels µs=triton_kernels_step_us; triton / gcmoe=triton_kernels_over_gcmoe"
+    "unpartitioned µs=unpartitioned_two_batch_us; tuned comm SMs=tuned_comm_sms; tuned µs=tuned_two_batch_us; "
+    "unpart. / tuned=tuned_over_unpartitioned; tuned is unpart.=tuned_same_as_unpartitioned; "
+    "forced part. µs=partitioned_two_batch_us; unpart. / forced part.=forced_partitioned_over_unpartitioned; "
+    "peer layers=peer_layers; gcmoe routed µs=gcmoe_routed_step_us; triton_kernels µs=triton_kernels_step_us; "
+    "triton / gcmoe=triton_kernels_over_gcmoe"
 )
 
 
@@ -665,6 +634,37 @@ def _table(recs: list[tuple[str, dict]], columns: str) -> list[str]:
     return lines
 
 
+def _policy_text(mrec: dict) -> str:
+    """The two-batch policy the pair's tuned layers ran with, in words."""
+    tuned = mrec.get("tune_two_batch")
+    if tuned is None:
+        desc = _get(mrec, f"pair.describe.{TUNED}.policy.source")
+        return f"not tuned in this run (the layer's policy: {desc or 'see pair.describe'})"
+    if "error" in tuned:
+        return f"tuning failed ({tuned['error']}); the layer's cached or default policy ran"
+    pol = tuned["policy"]
+    if not pol["comm_sms"]:
+        return f"never partition (tuned here over comm SMs {tuned['comm_sizes']})"
+    return f"{pol['comm_sms']} comm SMs up to T = {pol['unpartitioned_above']} (tuned here over {tuned['comm_sizes']})"
+
+
+def notes(result: dict) -> list[str]:
+    """What the two-batch target measures, the forced partition's min beside it and each model's tuned policy."""
+    rows = result["records"]
+    forced = [r["forced_partitioned_over_unpartitioned"] for r in rows if "forced_partitioned_over_unpartitioned" in r]
+    return [
+        "- partitioned_over_unpartitioned_two_batch_p1_min measures the layer's own partition policy in the "
+        "two-batch schedule at P = 1: t(unpartitioned two-batch step) / t(two-batch step of layers built with "
+        "comm_sms=None, which read the two-batch policy tuned for this device and shape), min over models and T "
+        "(column unpart. / tuned). Where that policy runs T unpartitioned (tuned comm SMs 0) the two steps are the "
+        "same graph: the tuned one is not timed and its ratio is recorded as 1.0 (tuned is unpart.: yes). The "
+        "target holds when no T at which the policy partitions runs slower than unpartitioned.",
+        f"- The forced {bench.PARTITION_SMS}-SM partition at every T (comm_sms={bench.PARTITION_SMS}; not a target): "
+        f"unpart. / forced part. min {_cell(min(forced) if forced else None, '.3f')}.",
+        *(f"- {model}: two-batch policy {_policy_text(m)}." for model, m in result["models"].items() if "pair" in m),
+    ]
+
+
 def markdown(result: dict) -> str:
     meta, api = result["meta"], result["meta"]["api"]
     lines = [
@@ -684,14 +684,43 @@ def markdown(result: dict) -> str:
     ]
     for name, t in result["targets"].items():
         lines.append(bench._row([name, _cell(t["value"], ".3g"), t["limit"], _cell(t["holds"], ""), t["note"]]))
+    lines += ["", "## Notes", "", *notes(result)]
     lines += ["", "## Models", "", *_table(list(result["models"].items()), MODEL_COLUMNS)]
     lines += ["", "## Steps", "", *_table([(r["model"], r) for r in result["records"]], STEP_COLUMNS)]
     return "\n".join(lines) + "\n"
 
 
+def parser(prog: str = "gcmoe-lab bench"):
+    """bench's parser (the model step's flags are among its own) with the flag only the model step reads."""
+    import argparse
+
+    p = bench.parser(prog)
+    p.add_argument(
+        "--tune-two-batch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--model-step: tune the two-batch partition policy per model (gcmoe-lab tune --two-batch) before the "
+        "tuned / forced / unpartitioned pair (default: on for GPU runs)",
+    )
+    return p
+
+
+def command(argv: list[str], prog: str = "gcmoe-lab bench") -> int:
+    """`gcmoe-lab bench --model-step ARGS` (argv: everything after `bench`)."""
+    return main(parser(prog).parse_args(argv), ["bench", *argv])
+
+
 def main(args, argv: list[str]) -> int:
-    """`gcmoe-lab bench --model-step ...` (args: bench.parser's namespace; argv: "bench" and its arguments)."""
-    opts = Options(args.ep, args.backend, 0, args.layers, args.two_batch_layers, args.peer_layers)
+    """`gcmoe-lab bench --model-step ...` (args: parser's namespace, or bench.parser's: no --tune-two-batch; argv:
+    "bench" and its arguments)."""
+    opts = Options(
+        ep=args.ep,
+        backend=args.backend,
+        layers=args.layers,
+        two_batch_layers=args.two_batch_layers,
+        peer_layers=args.peer_layers,
+        tune_two_batch=getattr(args, "tune_two_batch", None),
+    )
     try:
         validate(args.models, args.tokens, opts)
     except ValueError as e:

@@ -25,13 +25,17 @@ import torch
 
 MICRO_BATCHES = 2  # lanes per shape class at world size P > 1 (made at load: they are collective)
 
-_MICRO_BATCH = contextvars.ContextVar("gcmoe_micro_batch", default=0)
+_MICRO_BATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("gcmoe_micro_batch", default=None)
 
 
 @contextlib.contextmanager
 def micro_batch(index: int):
-    """Calls inside take micro-batch `index`'s lane (0 or 1). At P > 1 every rank calls a micro-batch's layers under
-    the same index (the ranks' lanes pair up by it); at world size 1 the caller's stream separates calls."""
+    """Calls inside belong to a two-micro-batch schedule and take micro-batch `index`'s lane (0 or 1). At P > 1 every
+    rank calls a micro-batch's layers under the same index (the ranks' lanes pair up by it); at world size 1 the
+    caller's stream separates calls. Inside, a layer takes its policy's two-batch partition choice
+    (gcmoe.policy.Policy.mode_for) and, at P > 1, keeps each kernel that waits on peers to a grid that leaves the
+    other micro-batch SMs to progress on (gcmoe.backends.sm90.Sm90Plan.spin_caps): two calls in flight never fill the
+    device with spinning CTAs. Outside any block: one call in flight per rank (micro-batch 0's lane)."""
     if index not in range(MICRO_BATCHES):
         raise ValueError(f"gcmoe: micro_batch: index {index} outside [0, {MICRO_BATCHES})")
     token = _MICRO_BATCH.set(index)
@@ -42,7 +46,13 @@ def micro_batch(index: int):
 
 
 def current_micro_batch() -> int:
-    return _MICRO_BATCH.get()
+    """The micro-batch index of calls made here (0 outside any micro_batch block)."""
+    return _MICRO_BATCH.get() or 0
+
+
+def in_micro_batch() -> bool:
+    """Whether calls made here belong to a two-micro-batch schedule (inside a micro_batch block)."""
+    return _MICRO_BATCH.get() is not None
 
 
 class LayerPool:

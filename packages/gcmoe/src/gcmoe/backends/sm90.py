@@ -72,6 +72,7 @@ from gcmoe_core.reference import MoEWeights, combine_slots
 from gcmoe_greenctx import capturing, relaxed_capture
 from gcmoe_greenctx.launch import copy_then_launch
 
+from ..pool import MICRO_BATCHES, current_micro_batch, in_micro_batch
 from .base import LayerOptions, cuda_missing, kernel_package_missing
 
 L2_PREFETCH_MAX_BUCKET = 1  # the shared experts' W1 prefetched into L2 at these buckets (module docstring)
@@ -152,7 +153,7 @@ class Sm90Plan:
         name: str | None = None,
     ):
         from .. import policy as tune_policy
-        from ..pool import MICRO_BATCHES, default_pool
+        from ..pool import default_pool
 
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -165,7 +166,8 @@ class Sm90Plan:
             self.policy = tune_policy.policy(cfg, props.name, self.sm_count)
         else:
             c = tune_policy.check_comm_sms(options.comm_sms, self.sm_count, "gcmoe: MoELayer(comm_sms=...)")
-            self.policy = tune_policy.Policy(c, math.inf if c else 0, f"MoELayer(comm_sms={c})")
+            above = math.inf if c else 0
+            self.policy = tune_policy.Policy(c, above, f"MoELayer(comm_sms={c})", c, above)
         self.group = options.group
         self.rank = rank
         if cfg.ep_size > 1 and self.group is None and rank is None:
@@ -222,8 +224,6 @@ class Sm90Plan:
         micro-batch's (gcmoe.micro_batch); else the stream's. Made on first use, taken from the pool when another
         layer of this shape class made it."""
         if self.collective:
-            from ..pool import current_micro_batch
-
             return self._lanes[("micro_batch", current_micro_batch())]
         key = stream if isinstance(stream, int) else stream.cuda_stream
         lane = self._lanes.get(key)
@@ -243,7 +243,8 @@ class Sm90Plan:
         peers already wait would look dead to them."""
         buckets = _buckets(self.cfg.max_tokens_per_rank) if self.collective else ()
         for b in buckets:
-            self._load_gemms(lane, self.kernel_config(b), self.policy.mode_for(b))
+            for comm_sms in {self.policy.mode_for(b), self.policy.mode_for(b, two_batch=True)}:
+                self._load_gemms(lane, self.kernel_config(b), comm_sms)
         if self.prefetch_ranges and not lane.prefetch_loaded:
             from gcmoe_gemm_sm90.ops import prefetch_l2
 
@@ -266,9 +267,10 @@ class Sm90Plan:
     def forward(self, x, topk_ids, topk_weights, check_values: bool) -> torch.Tensor:
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)  # (the handle: no Stream object per call)
         lane = self._lanes.get(stream) or self.lane(stream)
+        two_batch = in_micro_batch()
         if torch._C._cuda_isCurrentStreamCapturing():
-            return self.enqueue_captured(lane, x, topk_ids, topk_weights)
-        return self.call(lane, x, topk_ids, topk_weights, check_values, stream)
+            return self.enqueue_captured(lane, x, topk_ids, topk_weights, two_batch)
+        return self.call(lane, x, topk_ids, topk_weights, check_values, stream, two_batch)
 
     def check(self) -> None:
         for lane in list(self._lanes.values()):
@@ -289,8 +291,11 @@ class Sm90Plan:
                 "comm_sms": self.policy.comm_sms,
                 "unpartitioned_above": self.policy.unpartitioned_above,
                 "source": self.policy.source,
+                "two_batch_comm_sms": self.policy.two_batch_comm_sms,
+                "two_batch_unpartitioned_above": self.policy.two_batch_unpartitioned_above,
             },
             "comm_sms_by_bucket": {b: self.policy.mode_for(b) for b in buckets},
+            "two_batch_comm_sms_by_bucket": {b: self.policy.mode_for(b, two_batch=True) for b in buckets},
             "n_tile_by_bucket": {b: self.kernel_config(b).n_tile for b in buckets},
             "lanes": len(self._lanes),
             "pool": self.pool.describe(),
@@ -336,7 +341,13 @@ class Sm90Plan:
                     compute.synchronize()  # nothing uncaptured left on a stream a capture may fork next
         lane.loaded.add((kcfg, comm_sms))
 
-    def _enqueue(self, lane: Lane, bucket: int, ticket: int, publish, out: torch.Tensor | None):
+    def spin_caps(self, comm_sms: int, two_batch: bool) -> tuple[int | None, int | None]:
+        """spin_caps for this plan's calls: two_batch (inside gcmoe.micro_batch) counts MICRO_BATCHES calls in flight
+        per rank, P virtual ranks on one GPU count P times as many; a plan of one rank per GPU at P = 1 none."""
+        calls = (MICRO_BATCHES if two_batch else 1) * (self.cfg.ep_size if self.rank is not None else 1)
+        return spin_caps(self.sm_count, comm_sms, calls if self.cfg.ep_size > 1 else 1)
+
+    def _enqueue(self, lane: Lane, bucket: int, ticket: int, publish, out: torch.Tensor | None, two_batch: bool):
         """The kernels of one call as role nodes (gcmoe_greenctx.enqueue_roles): publish + dispatch on the lane's
         comm stream (one kernel at world size 1: CommRank.publish_dispatch), W1, W2, finalize on its compute stream,
         forked from and joined back to the current stream; comm_sms = 0 for the bucket: all in order on the current
@@ -347,11 +358,12 @@ class Sm90Plan:
 
         kcfg = ring_kernel_config(self.kernel_config(bucket))
         status = lane.step_status.data_ptr() if out is not None else lane.status.data_ptr()
-        comm_sms = self.policy.mode_for(bucket)
+        comm_sms = self.policy.mode_for(bucket, two_batch)
         # grids for the bucket: dispatch a CTA per ring block it can fill (on a partition: 2 per comm SM at most),
-        # finalize a thread per 16 output bytes
-        dispatch_ctas = lane.comm.dispatch_grid(bucket, 2 * comm_sms or None)
-        finalize_ctas = lane.comm.finalize_grid(bucket)
+        # finalize a thread per 16 output bytes; both within spin_caps when calls in flight could fill the device
+        dispatch_cap, finalize_cap = self.spin_caps(comm_sms, two_batch)
+        dispatch_ctas = min(lane.comm.dispatch_grid(bucket, 2 * comm_sms or None), dispatch_cap or math.inf)
+        finalize_ctas = min(lane.comm.finalize_grid(bucket), finalize_cap or math.inf)
 
         rows = self.grid_rows(bucket, kcfg, comm_sms)
         roles = RoleNodes(
@@ -387,26 +399,27 @@ class Sm90Plan:
             here.wait_stream(side)
 
     # -- the captured path (inside a caller's capture): by-value arguments
-    def enqueue_captured(self, lane: Lane, x, topk_ids, topk_weights) -> torch.Tensor:
+    def enqueue_captured(self, lane: Lane, x, topk_ids, topk_weights, two_batch: bool = False) -> torch.Tensor:
         from gcmoe_comm.comm import new_ticket
 
         t = x.shape[0]
         bucket = token_bucket(t)
-        self._load_gemms(lane, self.kernel_config(bucket), self.policy.mode_for(bucket))  # (outside the capture)
+        self._load_gemms(lane, self.kernel_config(bucket), self.policy.mode_for(bucket, two_batch))  # (uncaptured)
         out = torch.empty(t, self.cfg.hidden_size, dtype=torch.bfloat16, device=x.device)
         ticket = new_ticket()
         self.pool.name_ticket(ticket, self.name)
         status = lane.step_status.data_ptr()
         publish = lambda ctas: lane.comm.publish_dispatch(x, topk_ids, topk_weights, ticket, ctas, bucket, status)
-        self._enqueue(lane, bucket, ticket, publish, out)
+        self._enqueue(lane, bucket, ticket, publish, out, two_batch)
         return out
 
     # -- the eager path: the bucket's graph, arguments through the lane's host slots
-    def graph(self, lane: Lane, bucket: int) -> torch.cuda.CUDAGraph:
-        """The bucket's captured role graph on this lane (the slot path), captured on its first eager use: on the
-        lane's own capture stream, this thread alone in capture mode, no device or stream synchronisation (the graph
-        records launches; nothing runs until a replay, which the caller's stream orders)."""
-        key = (lane.key, bucket)
+    def graph(self, lane: Lane, bucket: int, two_batch: bool = False) -> torch.cuda.CUDAGraph:
+        """The bucket's captured role graph on this lane (the slot path) for one- or two-batch calls, captured on its
+        first eager use: on the lane's own capture stream, this thread alone in capture mode, no device or stream
+        synchronisation (the graph records launches; nothing runs until a replay, which the caller's stream
+        orders)."""
+        key = (lane.key, bucket, two_batch)
         g = self._graphs.get(key)
         if g is None:
             from gcmoe_comm.comm import new_ticket
@@ -418,19 +431,21 @@ class Sm90Plan:
             publish = lambda dispatch_ctas: lane.comm.publish_dispatch_slots(
                 args, status, ticket, ctas, dispatch_ctas, bucket
             )
-            self._load_gemms(lane, self.kernel_config(bucket), self.policy.mode_for(bucket))  # (+ its partition)
+            self._load_gemms(lane, self.kernel_config(bucket), self.policy.mode_for(bucket, two_batch))  # (+ split)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.stream(lane.capture_stream.stream):
                 g.capture_begin(capture_error_mode="thread_local")
                 try:
-                    self._enqueue(lane, bucket, ticket, publish, None)
+                    self._enqueue(lane, bucket, ticket, publish, None, two_batch)
                 finally:
                     g.capture_end()
             self._graphs[key] = g
             self._execs[key] = g.raw_cuda_graph_exec() if hasattr(g, "raw_cuda_graph_exec") else 0  # (torch < 2.9: 0)
         return g
 
-    def call(self, lane: Lane, x, topk_ids, topk_weights, check_values: bool, stream: int) -> torch.Tensor:
+    def call(
+        self, lane: Lane, x, topk_ids, topk_weights, check_values: bool, stream: int, two_batch: bool = False
+    ) -> torch.Tensor:
         """The eager path on `stream` (the current one's handle): a few Python steps, the call's pointers packed into
         a pinned staging slot, one async copy of it and one graph launch (two ctypes calls: gcmoe_greenctx.launch)."""
         t = x.shape[0]
@@ -446,10 +461,10 @@ class Sm90Plan:
         if n >= lane.nslots and st[0] < n - lane.nslots + 1:
             lane.wait_done(n - lane.nslots + 1)  # staging slot n mod NSLOTS: its copy has run
         out = torch.empty_like(x)  # [T, H] bf16 like x (validated contiguous)
-        key = (lane.key, token_bucket(t))
+        key = (lane.key, token_bucket(t), two_batch)
         graph_exec = self._execs.get(key)
         if graph_exec is None:
-            self.graph(lane, key[1])
+            self.graph(lane, key[1], two_batch)
             graph_exec = self._execs[key]
         off = (n % lane.nslots) * lane.slot_bytes
         ptrs = (x.data_ptr(), topk_ids.data_ptr(), topk_weights.data_ptr(), out.data_ptr())
@@ -693,6 +708,26 @@ def grid_rows(cfg: MoEConfig, spec, bucket: int, kcfg, sm_count: int, comm_sms: 
     ctas_per_row = max(2 * cfg.intermediate_size // TILE_M * kcfg.splits[0], cfg.hidden_size // TILE_M * kcfg.splits[1])
     one_wave = kcfg.occupancy * (sm_count - comm_sms) // ctas_per_row
     return min(every, max(own, one_wave))
+
+
+def spin_caps(sm_count: int, comm_sms: int, calls: int) -> tuple[int | None, int | None]:
+    """The most CTAs dispatch and finalize may have (None: no cap) when `calls` calls that wait on peers can be in
+    flight at once on one GPU of sm_count SMs (comm_sms: the comm partition's SMs, 0 = unpartitioned).
+
+    Dispatch and finalize spin on other ranks (dispatch on their READY, finalize on their W2 rows); W1 and W2 wait
+    only on this rank's earlier kernels of the same call, which are whole by the time they launch, so they always
+    finish. With two micro-batches in flight at P > 1 (or P virtual ranks on one GPU), rank r's SMs could all hold
+    micro-batch A's finalize waiting on a peer whose SMs all hold B's dispatch waiting on r's B publish: each waits
+    for the other until the bound ends it (the two-lane protocol model, packages/gcmoe-comm/tests/protocol_model.py,
+    finds it). A W1 / W2 CTA needs an SM that no small CTA occupies (registers), so the rule is by SMs: the calls in
+    flight together spread their spinning CTAs over at most all but one SM of the pool the kernel runs on (the comm
+    partition for dispatch when partitioned, else the device), one CTA per SM at worst. A call's dispatch and its
+    finalize never spin at the same time (finalize launches after W2, which waits for every ring block), so each
+    kernel gets the pool's share. One call in flight: no cap."""
+    if calls <= 1:
+        return None, None
+    comm_pool = comm_sms or sm_count
+    return max(1, (comm_pool - 1) // calls), max(1, (sm_count - comm_sms - 1) // calls)
 
 
 def _buckets(max_tokens: int) -> list[int]:
