@@ -164,7 +164,7 @@ def test_cli_flag_parses():
     args = bench.parser().parse_args(["--model-step", "--layers", "2", "--two-batch-layers", "1", "--peer-layers", "0"])
     assert args.model_step and (args.layers, args.two_batch_layers, args.peer_layers) == (2, 1, 0)
     assert not bench.parser().parse_args([]).model_step
-    p = model_step.parser()  # bench's flags and --[no-]tune-two-batch
+    p = bench.parser()  # --[no-]tune-two-batch among its flags
     assert p.parse_args(["--model-step", "--layers", "2"]).tune_two_batch is None  # default: on for GPU runs
     assert p.parse_args(["--model-step", "--tune-two-batch"]).tune_two_batch is True
     assert p.parse_args(["--model-step", "--no-tune-two-batch", "--two-batch-layers", "3"]).tune_two_batch is False

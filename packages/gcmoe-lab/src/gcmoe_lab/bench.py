@@ -952,6 +952,13 @@ def parser(prog: str = "gcmoe-lab bench"):
         default=None,
         help="--model-step: layers of the triton_kernels step (default: --layers; 0: none)",
     )
+    p.add_argument(
+        "--tune-two-batch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--model-step: tune the two-batch partition policy per model (gcmoe-lab tune --two-batch) before the "
+        "tuned / forced / unpartitioned pair (default: on for GPU runs)",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the records as JSON to PATH")
     p.add_argument("--markdown", metavar="PATH", default=None, help="also write a markdown table to PATH")
     p.add_argument("--plot", metavar="PATH", default=None, help="also write a PNG plot (time / floor vs T)")

@@ -31,10 +31,6 @@ def run(command: str, args: list[str], prog: str | None = None) -> int:
     """Run one command with its arguments (prog: the name its usage shows, e.g. `gcmoe bench`)."""
     prog = prog or f"gcmoe-lab {command}"
     if command == "bench":
-        if "--model-step" in args:  # its parser: bench's and the flags only the model step reads
-            from . import model_step
-
-            return model_step.command(args, prog)
         from . import bench
 
         return bench.main(args, prog)

@@ -690,36 +690,15 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parser(prog: str = "gcmoe-lab bench"):
-    """bench's parser (the model step's flags are among its own) with the flag only the model step reads."""
-    import argparse
-
-    p = bench.parser(prog)
-    p.add_argument(
-        "--tune-two-batch",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="--model-step: tune the two-batch partition policy per model (gcmoe-lab tune --two-batch) before the "
-        "tuned / forced / unpartitioned pair (default: on for GPU runs)",
-    )
-    return p
-
-
-def command(argv: list[str], prog: str = "gcmoe-lab bench") -> int:
-    """`gcmoe-lab bench --model-step ARGS` (argv: everything after `bench`)."""
-    return main(parser(prog).parse_args(argv), ["bench", *argv])
-
-
 def main(args, argv: list[str]) -> int:
-    """`gcmoe-lab bench --model-step ...` (args: parser's namespace, or bench.parser's: no --tune-two-batch; argv:
-    "bench" and its arguments)."""
+    """`gcmoe-lab bench --model-step ...` (args: bench.parser's namespace; argv: "bench" and its arguments)."""
     opts = Options(
         ep=args.ep,
         backend=args.backend,
         layers=args.layers,
         two_batch_layers=args.two_batch_layers,
         peer_layers=args.peer_layers,
-        tune_two_batch=getattr(args, "tune_two_batch", None),
+        tune_two_batch=args.tune_two_batch,
     )
     try:
         validate(args.models, args.tokens, opts)
