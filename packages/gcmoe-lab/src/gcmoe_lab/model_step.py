@@ -464,23 +464,27 @@ def target(name: str, value, note: str | None = None) -> dict:
     return {"value": value, "limit": limit, "holds": bool(holds), "note": note or what}
 
 
-def p8_memory_gb(model: str = "deepseek-v3", ep: int = 8, max_tokens: int = MAX_TOKENS, lanes: int = MICRO_BATCH_LANES):
-    """GB beyond packed weights of a model's MoE layers at P = ep, computed per pool (not per layer): each lane (one
-    per micro-batch in flight) holds a workspace and W1's output,
-        lane  = WorkspaceLayout(RingSpec.from_config(cfg at P = ep)).nbytes   ring, published tokens, combine, signals
-              + capacity * I                                                    W1's FP8 output, uint8 [capacity, I]
-              + (2 I / 256) * capacity * 4                                      its scales, fp32 [2I/256, capacity]
-        total = lanes * lane
-    (the lead replaces it with the allocator's figures as the pool settles; virtual P = 2, 4 measured)."""
+def lane_bytes(cfg: MoEConfig) -> int:
+    """Device bytes of one lane of a layer of this config (gcmoe.backends.sm90.Lane, without W1's stream-K scratch):
+        WorkspaceLayout(RingSpec.from_config(cfg)).nbytes   ring, published tokens, combine, signals
+        + capacity * I                                       W1's FP8 output, uint8 [capacity, I]
+        + (2 I / 256) * capacity * 4                         its scales, fp32 [2I/256, capacity]
+    (virtual P = 2, 4 measured against it: gcmoe-lab probe pool_memory)."""
     from gcmoe_comm.ring import RingSpec
     from gcmoe_comm.workspace import WorkspaceLayout
 
+    spec, inter = RingSpec.from_config(cfg.padded()), cfg.padded_intermediate
+    return WorkspaceLayout(spec).nbytes + spec.capacity * inter + (2 * inter // 256) * spec.capacity * 4
+
+
+def p8_memory_gb(model: str = "deepseek-v3", ep: int = 8, max_tokens: int = MAX_TOKENS, lanes: int = MICRO_BATCH_LANES):
+    """GB beyond packed weights of a model's MoE layers at P = ep, computed per pool (not per layer): each lane (one
+    per micro-batch in flight) is lane_bytes, total = lanes * lane."""
     if model in LAB_SHAPES:
         cfg = MoEConfig(*LAB_SHAPES[model], ep_size=ep, max_tokens_per_rank=max_tokens)
     else:
         cfg = MoEConfig.from_model(model, ep_size=ep, max_tokens_per_rank=max_tokens)
-    spec, inter = RingSpec.from_config(cfg.padded()), cfg.padded_intermediate
-    return lanes * (WorkspaceLayout(spec).nbytes + spec.capacity * inter + (2 * inter // 256) * spec.capacity * 4) / GB
+    return lanes * lane_bytes(cfg) / GB
 
 
 def _get(d: dict, path: str):

@@ -17,6 +17,7 @@ PROBES: dict[str, tuple[str, str]] = {
     "host_time": ("gcmoe_lab.probes.host_time", "where an eager layer call's host time goes, step by step (GPU)"),
     "layer_smoke": ("gcmoe_lab.probes.layer_smoke", "first look at the sm90 layer, step by step, hang-guarded (GPU)"),
     "layer_ab": ("gcmoe_lab.probes.layer_ab", "one process of a code A/B of the layer (tools/gpu/ab_commits.sh) (GPU)"),
+    "pool_memory": ("gcmoe_lab.probes.pool_memory", "memory beyond packed weights, virtual P = 2, 4, vs formula (GPU)"),
     "soak": ("gcmoe_lab.probes.soak", "100,000 checked graph replays of the layer (GPU)"),
     "precompile": ("gcmoe_lab.probes.precompile", "compile a GPU run's sm90 kernels in parallel into the cache"),
     "sanitize_case": (
