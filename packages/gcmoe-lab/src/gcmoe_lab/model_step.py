@@ -183,12 +183,14 @@ def _mem(device: torch.device) -> dict | None:
     }
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages under `tensors` (each storage once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def packed_bytes(layers) -> int:
     """Bytes of the layers' packed tensors (each storage once)."""
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for ly in layers for t in ly.packed.tensors
-    }
-    return sum(storages.values())
+    return storage_bytes(t for ly in layers for t in ly.packed.tensors)
 
 
 def memory_record(snaps: dict, packed: int) -> dict | None:

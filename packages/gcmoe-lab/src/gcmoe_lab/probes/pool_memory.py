@@ -33,7 +33,7 @@ def measure(model: str, ranks: int, layers: int, n_tile: int, tokens: int, devic
     from gcmoe_core.testing import make_tokens, make_weights
     from gcmoe_gemm_sm90.config import Sm90Config
 
-    from ..model_step import GB, MAX_TOKENS, MICRO_BATCH_LANES, lane_bytes
+    from ..model_step import GB, MAX_TOKENS, MICRO_BATCH_LANES, lane_bytes, storage_bytes
 
     cfg = MoEConfig.from_model(model, ep_size=ranks, max_tokens_per_rank=MAX_TOKENS)
     weights = make_weights(cfg.replace(ep_size=1), 0, device)  # every expert: each rank prepacks its slice
@@ -41,8 +41,7 @@ def measure(model: str, ranks: int, layers: int, n_tile: int, tokens: int, devic
     pool = gcmoe.LayerPool()
     opts = LayerOptions(comm_sms=0, kernel_config=Sm90Config(n_tile=n_tile), pool=pool)
     plans = [virtual_ranks(cfg, weights, device, opts) for _ in range(layers)]
-    storages = {t.untyped_storage() for p in plans for q in p for t in q.moe.tensors()}
-    packed = sum({s.data_ptr(): s.nbytes() for s in storages}.values())
+    packed = storage_bytes(t for p in plans for q in p for t in q.moe.tensors())
     loaded = _allocated(device) - base - packed
     streams = {(m, r): torch.cuda.Stream(device) for m in range(MICRO_BATCH_LANES) for r in range(ranks)}
     ins = {key: make_tokens(cfg, tokens, "uniform", 100 + 10 * key[0] + key[1], device=device) for key in streams}
